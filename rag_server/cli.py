@@ -1,0 +1,118 @@
+"""The `picrag` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+# Before anything imports torch: OpenMP spin-waiting makes torch several times slower on
+# small shared CPUs (DESIGN.md §3).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+logger = logging.getLogger("picrag")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from rag_server.app import create_app
+    from rag_server.model_store import resolve_model
+    from rag_server.runtime import RuntimeConfig, SGLangRuntime
+
+    model_path = resolve_model(args.model)
+    runtime = SGLangRuntime(
+        RuntimeConfig(
+            model_path=model_path,
+            port=args.runtime_port,
+            device=args.device,
+            dtype=args.dtype,
+            attention_backend=args.attention_backend,
+            max_total_tokens=args.max_total_tokens,
+            context_length=args.context_length,
+            log_level=args.runtime_log_level,
+        ),
+        log_file=args.runtime_log,
+    )
+
+    def terminate(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    # uvicorn installs its own handlers once it runs; these cover the minute of runtime start.
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        runtime.start(timeout_s=args.start_timeout)
+        logger.info("picrag frontend listening on http://%s:%d (runtime %s)", args.host, args.port, runtime.url)
+        uvicorn.run(create_app(runtime.url), host=args.host, port=args.port, log_level="warning")
+    finally:
+        runtime.stop()
+        logger.info("picrag stopped")
+    return 0
+
+
+def _model_prepare(args: argparse.Namespace) -> int:
+    from rag_server.model_store import ensure_model
+
+    print(ensure_model(args.preset))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from rag_server.model_store import DEFAULT_PRESET, PRESETS
+
+    parser = argparse.ArgumentParser(
+        prog="picrag",
+        description="RAG serving on SGLang with position-independent reuse of passage KV caches.",
+    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve", help="start the SGLang runtime and the picrag HTTP frontend",
+        description="Start SGLang's runtime on a model and the picrag HTTP frontend in front of it. "
+        "CPU: SGLang's CPU engine, torch_native attention, fp32. CUDA: FlashInfer attention.",
+    )
+    serve.add_argument("--model", default=None, metavar="PRESET|PATH",
+                       help=f"a model preset ({', '.join(PRESETS)}; default {DEFAULT_PRESET}, "
+                       "converted on first use) or an HF-format Llama/Qwen2 folder")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="frontend port (default 8000)")
+    serve.add_argument("--runtime-port", type=int, default=0,
+                       help="loopback port of the SGLang runtime (default: a free one)")
+    serve.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    serve.add_argument("--dtype", default="auto", help="default: float32 on CPU, the model's dtype on CUDA")
+    serve.add_argument("--attention-backend", default="auto",
+                       help="default: torch_native on CPU, flashinfer on CUDA")
+    serve.add_argument("--max-total-tokens", type=int, default=16384,
+                       help="KV pool size in tokens (default 16384)")
+    serve.add_argument("--context-length", type=int, default=None)
+    serve.add_argument("--runtime-log", type=Path, default=None,
+                       help="write the runtime's output to this file instead of the terminal")
+    serve.add_argument("--runtime-log-level", default="warning")
+    serve.add_argument("--start-timeout", type=float, default=600.0)
+    serve.set_defaults(func=_serve)
+
+    model = commands.add_parser("model", help="manage model presets")
+    model_commands = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    prepare = model_commands.add_parser("prepare", help="convert a preset once; print its folder")
+    prepare.add_argument("preset", nargs="?", default=DEFAULT_PRESET, choices=sorted(PRESETS))
+    prepare.set_defaults(func=_model_prepare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # httpx logs every health poll at INFO.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

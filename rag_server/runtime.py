@@ -1,0 +1,192 @@
+"""Start and stop SGLang's own HTTP server as the runtime behind the picrag frontend.
+
+The runtime is SGLang's `launch_server` in a child process group on a loopback port; the
+frontend proxies SGLang's native routes to it and adds its own. On a machine without CUDA the
+runtime runs SGLang's CPU engine (torch_native attention, fp32); with CUDA it uses FlashInfer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def runtime_env(base: dict[str, str] | None = None, threads: int | None = None) -> dict[str, str]:
+    """Environment for any process that runs torch on these small shared CPUs.
+
+    OpenMP's default spin-waiting made torch 4-16x slower on 2 shared cores (DESIGN.md §3),
+    so PASSIVE must be in the environment before torch is imported.
+    """
+    env = dict(os.environ if base is None else base)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if threads is not None:
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+    return env
+
+
+@dataclass
+class RuntimeConfig:
+    model_path: Path
+    port: int = 0
+    host: str = "127.0.0.1"
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    radix_cache_backend: str | None = None
+    max_total_tokens: int | None = 16384
+    context_length: int | None = None
+    threads: int | None = None
+    log_level: str = "warning"
+    extra_args: list[str] = field(default_factory=list)
+
+    def resolved(self) -> RuntimeConfig:
+        on_cuda = cuda_available() if self.device == "auto" else self.device == "cuda"
+        device = "cuda" if on_cuda else "cpu"
+        return RuntimeConfig(
+            model_path=self.model_path,
+            port=self.port or free_port(),
+            host=self.host,
+            device=device,
+            # bf16 matmuls are 3-6x slower than fp32 on these CPUs (DESIGN.md §3)
+            dtype=self.dtype if self.dtype != "auto" else ("auto" if on_cuda else "float32"),
+            attention_backend=(
+                self.attention_backend
+                if self.attention_backend != "auto"
+                else ("flashinfer" if on_cuda else "torch_native")
+            ),
+            radix_cache_backend=self.radix_cache_backend,
+            max_total_tokens=self.max_total_tokens,
+            context_length=self.context_length,
+            threads=self.threads or (None if on_cuda else (os.cpu_count() or 1)),
+            log_level=self.log_level,
+            extra_args=list(self.extra_args),
+        )
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", str(self.model_path),
+            "--host", self.host, "--port", str(self.port),
+            "--device", self.device,
+            "--dtype", self.dtype,
+            "--attention-backend", self.attention_backend,
+            "--log-level", self.log_level,
+            "--enable-metrics",
+            "--enable-cache-report",
+        ]
+        if self.device == "cpu":
+            # The idle scheduler otherwise busy-polls one of the two cores.
+            cmd.append("--sleep-on-idle")
+        if self.max_total_tokens:
+            cmd += ["--max-total-tokens", str(self.max_total_tokens)]
+        if self.context_length:
+            cmd += ["--context-length", str(self.context_length)]
+        if self.radix_cache_backend:
+            cmd += ["--radix-cache-backend", self.radix_cache_backend]
+        return cmd + self.extra_args
+
+    def env(self) -> dict[str, str]:
+        env = runtime_env(threads=self.threads)
+        if self.device == "cpu":
+            # Without it SGLang imports vLLM's rotary kernel on CPU and dies.
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+        return env
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class RuntimeStartError(RuntimeError):
+    pass
+
+
+class SGLangRuntime:
+    """SGLang's server in its own process group, so stopping it leaves no children behind."""
+
+    def __init__(self, config: RuntimeConfig, log_file: Path | None = None):
+        self.config = config.resolved()
+        self.log_file = log_file
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+    def start(self, timeout_s: float = 600.0) -> None:
+        c = self.config
+        logger.info(
+            "Starting SGLang runtime: model=%s device=%s dtype=%s attention=%s radix-cache=%s "
+            "max-total-tokens=%s url=%s",
+            c.model_path, c.device, c.dtype, c.attention_backend,
+            c.radix_cache_backend or "sglang-default", c.max_total_tokens, c.url,
+        )
+        stdout = open(self.log_file, "ab") if self.log_file else None
+        self.process = subprocess.Popen(
+            c.command(), env=c.env(), start_new_session=True,
+            stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
+        )
+        started = time.monotonic()
+        while time.monotonic() - started < timeout_s:
+            if self.process.poll() is not None:
+                raise RuntimeStartError(
+                    f"SGLang runtime exited with code {self.process.returncode} during start"
+                    + (f"; see {self.log_file}" if self.log_file else "")
+                )
+            if self.healthy():
+                logger.info("SGLang runtime ready in %.0f s", time.monotonic() - started)
+                return
+            time.sleep(1.0)
+        self.stop()
+        raise RuntimeStartError(f"SGLang runtime not healthy after {timeout_s:.0f} s")
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        pgid = os.getpgid(self.process.pid)
+        logger.info("Stopping SGLang runtime (process group %d)", pgid)
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("SGLang runtime ignored SIGTERM; killing it")
+        # Schedulers and detokenizers share the group; make sure none outlives us.
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()

@@ -1,0 +1,5 @@
+import sys
+
+from sglang_patches.kernel_fallback import main
+
+raise SystemExit(main(sys.argv))

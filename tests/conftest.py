@@ -1,0 +1,92 @@
+"""Shared fixtures: the default model folder and one real picrag server per test session."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_QA = REPO.parent / "shared" / "data" / "qa"
+
+
+@pytest.fixture(scope="session")
+def shared_qa() -> Path:
+    if not SHARED_QA.is_dir():
+        pytest.skip(f"shared QA data not found at {SHARED_QA}")
+    return SHARED_QA
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from rag_server.model_store import ensure_model
+
+    return ensure_model()
+
+
+def _free_port() -> int:
+    from rag_server.runtime import free_port
+
+    return free_port()
+
+
+class ServerHandle:
+    def __init__(self, url: str, process: subprocess.Popen, log: Path):
+        self.url = url
+        self.process = process
+        self.log = log
+
+    def client(self, timeout: float = 600.0) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def picrag_server(default_model_dir: Path, tmp_path_factory) -> ServerHandle:
+    """`picrag serve` on the default model, started once and stopped by PID at the end."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    cmd = [
+        sys.executable, "-m", "rag_server.cli", "serve",
+        "--port", str(port), "--max-total-tokens", "8192", "--runtime-log", str(log),
+    ]
+    with open(log, "ab") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+        if process.poll() is not None:
+            pytest.fail(f"picrag serve exited with {process.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"picrag serve not healthy after 600 s:\n{log.read_text()[-4000:]}")
+        time.sleep(1)
+    handle = ServerHandle(url, process, log)
+    yield handle
+    children = psutil.Process(process.pid).children(recursive=True)
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    _, alive = psutil.wait_procs(children, timeout=30)
+    for child in alive:
+        child.kill()
+    assert not alive, f"picrag serve left children behind: {[c.pid for c in alive]}"
