@@ -1,0 +1,135 @@
+"""Decode and prefill tokens/s of `picrag serve` vs a plain transformers loop, side by side.
+
+Same model folder, same prompt token ids, greedy decoding, medians over repeats; the two
+engines take turns so machine noise hits both alike. Usage:
+
+    python benchmarks/serving_speed.py [--url http://127.0.0.1:8000] [--prompt-tokens 512]
+
+Without --url a server is started on the default model and stopped at the end.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+QA = REPO.parent / "shared" / "data" / "qa" / "musique.dev.jsonl"
+
+
+def prompt_ids(tokenizer, n_tokens: int) -> list[int]:
+    row = json.loads(QA.read_text().splitlines()[0])
+    text = "\n\n".join(p["text"] for p in row["passages"])
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < n_tokens:
+        raise SystemExit(f"sample text has only {len(ids)} tokens")
+    return ids[:n_tokens]
+
+
+def start_server(port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "rag_server.cli", "--log-level", "warning", "serve", "--port", str(port)]
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(600):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    process.kill()
+    raise SystemExit("server did not become healthy")
+
+
+def served_run(client: httpx.Client, ids: list[int], new_tokens: int) -> tuple[float, float]:
+    """(prefill tokens/s, decode tokens/s) of one cold request."""
+    client.post("/flush_cache").raise_for_status()
+    out = client.post(
+        "/generate",
+        json={
+            "input_ids": ids,
+            "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True},
+        },
+    ).json()
+    meta = out["meta_info"]
+    ttft = meta["first_token_latency"]
+    decode_s = meta["e2e_latency"] - ttft
+    return len(ids) / ttft, (new_tokens - 1) / decode_s
+
+
+def transformers_run(model, ids: list[int], new_tokens: int) -> tuple[float, float]:
+    with torch.inference_mode():
+        started = time.perf_counter()
+        out = model(torch.tensor([ids]), use_cache=True)
+        ttft = time.perf_counter() - started
+        past = out.past_key_values
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        started = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            out = model(token, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+        decode_s = time.perf_counter() - started
+    return len(ids) / ttft, (new_tokens - 1) / decode_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default=None)
+    parser.add_argument("--port", type=int, default=8011)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rag_server.model_store import ensure_model
+
+    model_dir = ensure_model()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = prompt_ids(tokenizer, args.prompt_tokens)
+
+    server = None if args.url else start_server(args.port)
+    url = args.url or f"http://127.0.0.1:{args.port}"
+    results: dict[str, list[tuple[float, float]]] = {"picrag serve (SGLang)": [], "transformers": []}
+    try:
+        with httpx.Client(base_url=url, timeout=600) as client:
+            served_run(client, ids, 4)  # warm-up
+            transformers_run(model, ids, 4)
+            for _ in range(args.repeats):
+                results["picrag serve (SGLang)"].append(served_run(client, ids, args.new_tokens))
+                results["transformers"].append(transformers_run(model, ids, args.new_tokens))
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(60)
+
+    print(f"\nSmolLM2-135M fp32, CPU, {torch.get_num_threads()} threads, prompt {len(ids)} tokens, "
+          f"{args.new_tokens} greedy tokens, median of {args.repeats}\n")
+    print("| engine | prefill tokens/s | decode tokens/s |")
+    print("|---|---|---|")
+    medians = {}
+    for name, runs in results.items():
+        prefill = statistics.median(r[0] for r in runs)
+        decode = statistics.median(r[1] for r in runs)
+        medians[name] = (prefill, decode)
+        print(f"| {name} | {prefill:.0f} | {decode:.1f} |")
+    served, hf = medians["picrag serve (SGLang)"], medians["transformers"]
+    print(f"\nratio served/transformers: prefill {served[0] / hf[0]:.2f}x, decode {served[1] / hf[1]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

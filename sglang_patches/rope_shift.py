@@ -1,0 +1,74 @@
+"""Move post-RoPE keys to a new position with the model's own rotary tables.
+
+SGLang's KV pool holds keys after RoPE. RoPE rotates every (x1_i, x2_i) pair by the angle
+pos * theta_i, so a key computed at position p is moved to position p + d by one more
+rotation by d * theta_i: R(p + d) = R(d) R(p). The angle table is the model's own
+`cos_sin_cache` row d, so any per-dimension frequency change (Llama-3 rope scaling) is
+honoured. Tables that also scale magnitudes (YaRN's mscale) are not pure rotations and are
+refused rather than silently mis-rotated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class RopeShiftError(ValueError):
+    pass
+
+
+class KeyShifter:
+    def __init__(self, cos_sin_cache: torch.Tensor, head_dim: int, rotary_dim: int, is_neox_style: bool):
+        half = rotary_dim // 2
+        cos, sin = cos_sin_cache[:, :half].float(), cos_sin_cache[:, half:rotary_dim].float()
+        magnitude = cos.square() + sin.square()
+        if not torch.allclose(magnitude, torch.ones_like(magnitude), atol=1e-4):
+            raise RopeShiftError(
+                "the model's rotary table scales magnitudes (e.g. YaRN mscale); "
+                "delta re-rotation of cached keys is only exact for pure rotations"
+            )
+        self.cos_sin_cache = cos_sin_cache
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        self.is_neox_style = is_neox_style
+
+    @classmethod
+    def from_rotary_embedding(cls, rotary_emb: torch.nn.Module) -> KeyShifter:
+        if getattr(rotary_emb, "position_start", 0):
+            raise RopeShiftError("rotary embeddings with a position offset are not supported")
+        return cls(
+            rotary_emb.cos_sin_cache,
+            head_dim=rotary_emb.head_size,
+            rotary_dim=rotary_emb.rotary_dim,
+            is_neox_style=rotary_emb.is_neox_style,
+        )
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module) -> KeyShifter:
+        for module in model.modules():
+            if hasattr(module, "cos_sin_cache") and hasattr(module, "is_neox_style"):
+                return cls.from_rotary_embedding(module)
+        raise RopeShiftError(f"no rotary embedding found in {type(model).__name__}")
+
+    @property
+    def max_position(self) -> int:
+        return self.cos_sin_cache.shape[0]
+
+    def shift(self, keys: torch.Tensor, delta: int) -> torch.Tensor:
+        """keys [n, heads, head_dim] computed at positions p -> the same keys at p + delta."""
+        if delta == 0:
+            return keys
+        if not 0 < delta < self.max_position:
+            raise RopeShiftError(f"shift {delta} outside the model's {self.max_position} positions")
+        half = self.rotary_dim // 2
+        row = self.cos_sin_cache[delta].to(torch.promote_types(keys.dtype, torch.float32))
+        cos, sin = row[:half], row[half : self.rotary_dim]
+        k = keys.to(row.dtype)
+        rot, rest = k[..., : self.rotary_dim], k[..., self.rotary_dim :]
+        if self.is_neox_style:
+            x1, x2 = rot[..., :half], rot[..., half:]
+            rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        else:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        return torch.cat((rotated, rest), dim=-1).to(keys.dtype)

@@ -1,0 +1,115 @@
+"""Re-rotated keys equal the keys of a fresh prefill at the new positions.
+
+Layer 0 is context-free up to RoPE, so the layer-0 keys of a chunk prefilled alone and then
+shifted to offset o must equal the layer-0 keys of the same tokens prefilled at positions
+o, o+1, ...: computed here with the real model's weights and SGLang's own rotary embedding.
+"""
+
+import os
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from sglang_patches.rope_shift import KeyShifter, RopeShiftError
+
+
+@pytest.fixture(scope="module")
+def layer0(default_model_dir):
+    config = json.loads((default_model_dir / "config.json").read_text())
+    with safe_open(default_model_dir / "model.safetensors", "pt") as f:
+        weights = {
+            name: f.get_tensor(name)
+            for name in ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
+                         "model.layers.0.self_attn.k_proj.weight")
+        }
+    return config, weights
+
+
+def prerope_keys(config, weights, token_ids):
+    x = weights["model.embed_tokens.weight"][torch.tensor(token_ids)]
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config["rms_norm_eps"])
+    x = x * weights["model.layers.0.input_layernorm.weight"]
+    k = x @ weights["model.layers.0.self_attn.k_proj.weight"].T
+    return k.view(len(token_ids), config["num_key_value_heads"], config["head_dim"])
+
+
+def sglang_rope(config, rope_scaling=None):
+    from sglang.srt.layers.rotary_embedding import get_rope
+
+    return get_rope(
+        head_size=config["head_dim"], rotary_dim=config["head_dim"],
+        max_position=config["max_position_embeddings"],
+        base=config["rope_parameters"]["rope_theta"], is_neox_style=True,
+        rope_scaling=rope_scaling, dtype=torch.float32,
+    )
+
+
+def rope_at(rope, keys, start):
+    positions = torch.arange(start, start + keys.shape[0])
+    _, rotated = rope.forward_native(positions, keys.clone().flatten(1), keys.clone().flatten(1))
+    return rotated.view_as(keys)
+
+
+def fp32_angle_tolerance(keys, last_position):
+    # The tables hold fp32 angles pos * theta: each is rounded to ~eps32 * pos radians, so a
+    # key rotated in two steps and one rotated in one step may differ by that much times |k|.
+    # A rotation by even one wrong position would differ by O(|k|).
+    return 4 * torch.finfo(torch.float32).eps * last_position * keys.abs().max().item() + 1e-5
+
+
+TOKENS = [504, 3575, 282, 4649, 314, 7042, 30, 1392, 5281, 281, 260, 1342, 28, 7]
+
+
+@pytest.mark.parametrize("offset", [1, 37, 1999, int(torch.randint(2, 8000, (1,), generator=torch.Generator().manual_seed(7)))])
+def test_shifted_layer0_keys_equal_fresh_prefill_at_offset(layer0, offset):
+    config, weights = layer0
+    rope = sglang_rope(config)
+    keys = prerope_keys(config, weights, TOKENS)
+    alone = rope_at(rope, keys, 0)
+    shifted = KeyShifter.from_rotary_embedding(rope).shift(alone, offset)
+    fresh = rope_at(rope, keys, offset)
+    assert not torch.allclose(alone, fresh, atol=1e-3)
+    tol = fp32_angle_tolerance(keys, offset + len(TOKENS))
+    torch.testing.assert_close(shifted, fresh, atol=tol, rtol=0)
+
+
+def test_shift_with_llama3_rope_scaling(layer0):
+    config, weights = layer0
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 2048}
+    rope = sglang_rope(config, scaling)
+    plain = sglang_rope(config)
+    keys = prerope_keys(config, weights, TOKENS)
+    offset = 3001
+    fresh = rope_at(rope, keys, offset)
+    assert not torch.allclose(fresh, rope_at(plain, keys, offset), atol=1e-3)
+    shifted = KeyShifter.from_rotary_embedding(rope).shift(rope_at(rope, keys, 0), offset)
+    tol = fp32_angle_tolerance(keys, offset + len(TOKENS))
+    torch.testing.assert_close(shifted, fresh, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_shift_is_exact_rotation_composition_in_float64(neox):
+    head_dim, positions = 64, 5000
+    inv_freq = 1.0 / (1e5 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.arange(positions, dtype=torch.float64)[:, None] * inv_freq
+    table = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    shifter = KeyShifter(table, head_dim=head_dim, rotary_dim=head_dim, is_neox_style=neox)
+    keys = torch.randn(9, 3, head_dim, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def rotate_at(k, start):
+        rows = [shifter.shift(k[i : i + 1], start + i) if start + i else k[i : i + 1] for i in range(len(k))]
+        return torch.cat(rows)
+
+    torch.testing.assert_close(shifter.shift(rotate_at(keys, 0), 4321), rotate_at(keys, 4321), atol=1e-9, rtol=0)
+
+
+def test_shift_refuses_magnitude_scaling_tables():
+    table = torch.cat((torch.full((16, 4), 1.2), torch.zeros(16, 4)), dim=-1)
+    with pytest.raises(RopeShiftError, match="scales magnitudes"):
+        KeyShifter(table, head_dim=8, rotary_dim=8, is_neox_style=True)
