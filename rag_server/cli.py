@@ -31,6 +31,7 @@ def _serve(args: argparse.Namespace) -> int:
             device=args.device,
             dtype=args.dtype,
             attention_backend=args.attention_backend,
+            radix_cache_backend=args.radix_cache_backend or None,
             max_total_tokens=args.max_total_tokens,
             context_length=args.context_length,
             log_level=args.runtime_log_level,
@@ -85,7 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     serve.add_argument("--dtype", default="auto", help="default: float32 on CPU, the model's dtype on CUDA")
     serve.add_argument("--attention-backend", default="auto",
-                       help="default: torch_native on CPU, flashinfer on CUDA")
+                       help="default: picrag_native (torch_native computing only query rows) "
+                       "on CPU, flashinfer on CUDA")
+    serve.add_argument("--radix-cache-backend", default="pic",
+                       help="SGLang radix-cache backend: 'pic' (picrag's chunk cache, default) "
+                       "or '' for SGLang's default")
     serve.add_argument("--max-total-tokens", type=int, default=16384,
                        help="KV pool size in tokens (default 16384)")
     serve.add_argument("--context-length", type=int, default=None)

@@ -60,7 +60,7 @@ class RuntimeConfig:
     device: str = "auto"
     dtype: str = "auto"
     attention_backend: str = "auto"
-    radix_cache_backend: str | None = None
+    radix_cache_backend: str | None = "pic"
     max_total_tokens: int | None = 16384
     context_length: int | None = None
     threads: int | None = None
@@ -80,7 +80,7 @@ class RuntimeConfig:
             attention_backend=(
                 self.attention_backend
                 if self.attention_backend != "auto"
-                else ("flashinfer" if on_cuda else "torch_native")
+                else ("flashinfer" if on_cuda else "picrag_native")
             ),
             radix_cache_backend=self.radix_cache_backend,
             max_total_tokens=self.max_total_tokens,

@@ -1,0 +1,258 @@
+"""A radix cache whose passage chunks are found by content, not by what precedes them.
+
+It is SGLang's own `RadixCache`, with two namespaces added through `extra_key`:
+
+* ``picrag:chunk`` holds every compiled chunk's KV, computed alone at positions 0..n-1 and
+  keyed by the chunk's token ids (one server serves one model, so the model is implicit in
+  the tree; the persistent tier adds the model fingerprint). Shared chunk prefixes share nodes,
+  which is exact because they sit at the same local positions.
+* ``picrag:<policy>`` holds linked prompts. When a request of a chunk-reusing policy arrives,
+  the chunks that directly follow its longest matched prefix are *grafted*: fresh pool slots
+  receive each stored chunk's keys rotated to the chunk's offset (values copied), and that
+  run of slots is inserted into the tree under the request's own token path. The ordinary
+  prefix match that follows then finds the chunks as cached prefix, so SGLang's scheduler,
+  allocator, locking, eviction and release work unchanged. The stored chunk is never
+  modified; grafted slots belong to the tree and are evicted LRU like any other node; an
+  evicted chunk simply is not grafted, and its tokens are computed as ordinary extend tokens.
+
+Vanilla requests (no picrag hint) and ``prefix`` use the plain tree; ``full`` matches nothing
+and stores nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
+
+from sglang_patches.link_hints import LinkHintError, LinkRequest, parse_link_request
+from sglang_patches.rope_shift import KeyShifter
+
+logger = logging.getLogger(__name__)
+
+CHUNK_NAMESPACE = "picrag:chunk"
+_LINK_ATTR = "picrag_link"
+STATS_ATTR = "picrag_stats"
+
+
+def namespace_of(policy: str) -> str:
+    return f"picrag:{policy}"
+
+
+def _with_namespace(namespace: str, extra_key: Optional[str]) -> str:
+    return namespace if extra_key is None else f"{namespace}|{extra_key}"
+
+
+@dataclass
+class LinkStats:
+    """Per-request accounting, reported in meta_info and summed into the counters."""
+
+    policy: str
+    chunk_hits: int = 0
+    chunk_misses: int = 0
+    reused_tokens: int = 0
+    computed_tokens: int = 0
+    grafted_tokens: int = 0
+
+    def as_meta(self) -> dict[str, int | str]:
+        return {
+            "picrag_policy": self.policy,
+            "picrag_chunk_hits": self.chunk_hits,
+            "picrag_chunk_misses": self.chunk_misses,
+            "picrag_reused_tokens": self.reused_tokens,
+            "picrag_computed_tokens": self.computed_tokens,
+        }
+
+
+@dataclass
+class _Graft:
+    source_node: TreeNode
+    source_slots: torch.Tensor
+    shift: int
+
+
+@dataclass
+class CacheCounters:
+    """Process-wide totals; exported to Prometheus by sglang_patches.metrics."""
+
+    values: dict[str, int] = field(default_factory=dict)
+
+    def add(self, name: str, amount: int = 1) -> None:
+        self.values[name] = self.values.get(name, 0) + amount
+
+
+class ChunkRadixCache(RadixCache):
+    def __init__(self, params, kv_pool, shifter: KeyShifter, counters: Optional[CacheCounters] = None):
+        if params.page_size != 1:
+            raise ValueError(f"picrag's chunk cache needs page_size 1, got {params.page_size}")
+        super().__init__(params)
+        self.kv_pool = kv_pool
+        self.shifter = shifter
+        self.counters = counters or CacheCounters()
+
+    # ---- request routing -------------------------------------------------------------
+
+    def _link_of(self, req) -> Optional[LinkRequest]:
+        if req is None:
+            return None
+        if hasattr(req, _LINK_ATTR):
+            return getattr(req, _LINK_ATTR)
+        try:
+            link = parse_link_request(req.kv_hints)
+            if link is not None:
+                link.validate(len(req.origin_input_ids))
+        except LinkHintError as exc:
+            # The frontend validates first; a raw /generate with a bad hint degrades to vanilla
+            # rather than taking the scheduler down.
+            logger.warning("request %s: ignoring invalid picrag hint: %s", req.rid, exc)
+            link = None
+        setattr(req, _LINK_ATTR, link)
+        if link is not None:
+            if link.policy == "full":
+                req.skip_radix_cache_insert = True
+            elif link.compile:
+                req.extra_key = _with_namespace(CHUNK_NAMESPACE, req.extra_key)
+            elif link.policy != "prefix":
+                req.extra_key = _with_namespace(namespace_of(link.policy), req.extra_key)
+            setattr(req, STATS_ATTR, LinkStats(policy="compile" if link.compile else link.policy))
+        return link
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        req = params.req
+        link = self._link_of(req)
+        if link is None:
+            return super().match_prefix(params)
+        stats: LinkStats = getattr(req, STATS_ATTR)
+        if link.policy == "full":
+            result = self._empty_match_result
+        else:
+            key = params.key
+            if key.extra_key != req.extra_key:
+                key = RadixKey(key.token_ids, req.extra_key, limit=key.limit, cache_salt=key.cache_salt)
+            if link.chunks and not self.disable:
+                self._graft_chunks(key, link, stats)
+            result = super().match_prefix(MatchPrefixParams(key=key, cow_mamba=params.cow_mamba, req=req))
+        prompt_len = len(req.origin_input_ids)
+        stats.reused_tokens = result.device_prefix_len
+        stats.computed_tokens = prompt_len - result.device_prefix_len
+        if link.compile:
+            # SGLang always computes the last prompt token, so a cached chunk matches n - 1.
+            stats.chunk_hits = int(result.device_prefix_len >= prompt_len - 1)
+            stats.chunk_misses = 1 - stats.chunk_hits
+        return result
+
+    # ---- grafting --------------------------------------------------------------------
+
+    def lookup_chunk(self, token_ids) -> Optional[tuple[TreeNode, torch.Tensor]]:
+        """The node and slots of a compiled chunk, or None when it is not (fully) cached."""
+        key = RadixKey(array("q", token_ids), CHUNK_NAMESPACE)
+        values, node = self._match_prefix_helper(self.root_node, key)
+        if sum(len(v) for v in values) != len(key):
+            return None
+        return node, torch.cat(values)
+
+    def _graft_chunks(self, key: RadixKey, link: LinkRequest, stats: LinkStats) -> None:
+        values, prefix_node = self._match_prefix_helper(self.root_node, key)
+        matched = sum(len(v) for v in values)
+        limit = len(key)
+        tokens = key.token_ids
+        first_start = link.chunks[0][0]
+        # The head (system prompt) is a true prefix: compiled at position 0 it is exact KV, so
+        # it is grafted from the chunk store unshifted, but it is not a chunk (never counted,
+        # never recomputed by a link step).
+        segments = ([(0, first_start, False)] if first_start > 0 else []) + [
+            (start, end, True) for start, end in link.chunks
+        ]
+        grafts: list[_Graft] = []
+        position = matched
+        stats.chunk_hits = 0
+        for start, end, is_chunk in segments:
+            if end <= matched:
+                stats.chunk_hits += is_chunk  # already on this prompt's path in the tree
+                continue
+            if start > position or position >= limit:
+                break  # ordinary tokens before this segment still need computing
+            found = self.lookup_chunk(tokens[start:end])
+            if found is None:
+                break
+            node, slots = found
+            take_end = min(end, limit)
+            grafts.append(_Graft(node, slots[position - start : take_end - start], shift=start))
+            stats.chunk_hits += is_chunk
+            position = take_end
+        stats.chunk_misses = len(link.chunks) - stats.chunk_hits
+        if not grafts:
+            return
+        new_slots = self._materialize(prefix_node, grafts)
+        if new_slots is None:
+            stats.chunk_hits = sum(1 for _, end in link.chunks if end <= matched)
+            stats.chunk_misses = len(link.chunks) - stats.chunk_hits
+            return
+        path_slots = torch.cat(values) if values else self._empty_device_indices
+        inserted = self.insert(
+            InsertParams(key=key[:position], value=torch.cat((path_slots, new_slots)))
+        )
+        assert inserted.prefix_len == matched, (inserted.prefix_len, matched)
+        stats.grafted_tokens = len(new_slots)
+        self.counters.add("grafted_tokens", len(new_slots))
+
+    def _materialize(self, prefix_node: TreeNode, grafts: list[_Graft]) -> Optional[torch.Tensor]:
+        """Fresh slots holding the grafts' KV shifted to their offsets; None if the pool is full."""
+        needed = sum(len(g.source_slots) for g in grafts)
+        locks = [self.lock(prefix_node)] + [self.lock(g.source_node) for g in grafts]
+        try:
+            allocator = self.token_to_kv_pool_allocator
+            if allocator.available_size() < needed:
+                self.evict_for_graft(needed - allocator.available_size())
+            new_slots = allocator.alloc(needed)
+            if new_slots is None:
+                logger.info("chunk graft of %d tokens skipped: KV pool full", needed)
+                self.counters.add("graft_skipped_pool_full")
+                return None
+            new_slots = new_slots.to(torch.int64)
+            src = torch.cat([g.source_slots for g in grafts]).to(torch.int64)
+            self._copy_shifted(src, new_slots, grafts)
+            return new_slots
+        finally:
+            for lock in locks:
+                self.unlock(lock)
+
+    def evict_for_graft(self, num_tokens: int) -> None:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        self.evict(EvictParams(num_tokens=num_tokens))
+
+    @torch.no_grad()
+    def _copy_shifted(self, src: torch.Tensor, dst: torch.Tensor, grafts: list[_Graft]) -> None:
+        pool = self.kv_pool
+        for layer_id in range(pool.start_layer, pool.start_layer + pool.layer_num):
+            k_buffer = pool.get_key_buffer(layer_id)
+            v_buffer = pool.get_value_buffer(layer_id)
+            v_buffer[dst] = v_buffer[src]
+            keys = k_buffer[src]
+            offset = 0
+            for graft in grafts:
+                n = len(graft.source_slots)
+                keys[offset : offset + n] = self.shifter.shift(keys[offset : offset + n], graft.shift)
+                offset += n
+            k_buffer[dst] = keys
+
+    # ---- accounting ------------------------------------------------------------------
+
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        super().on_release(req, checkpointed=checkpointed)
+        stats: Optional[LinkStats] = getattr(req, STATS_ATTR, None)
+        if stats is None:
+            return
+        prefix = "compile_" if stats.policy == "compile" else ""
+        self.counters.add(f"{prefix}requests")
+        self.counters.add(f"{prefix}chunk_hits", stats.chunk_hits)
+        self.counters.add(f"{prefix}chunk_misses", stats.chunk_misses)
+        self.counters.add(f"{prefix}reused_tokens", stats.reused_tokens)
+        self.counters.add(f"{prefix}computed_tokens", stats.computed_tokens)

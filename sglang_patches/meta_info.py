@@ -1,0 +1,30 @@
+"""Report each request's chunk-cache accounting in SGLang's response ``meta_info``.
+
+SGLang already ships a per-request dict of cache details from the scheduler to the HTTP
+server (``meta_info.cached_tokens_details``); an AFTER hook on the one method that builds it
+adds picrag's flat fields (``picrag_policy``, ``picrag_chunk_hits``, ``picrag_chunk_misses``,
+``picrag_reused_tokens``, ``picrag_computed_tokens``). This is picrag's only patch of an SGLang
+function; tests/test_sglang_seams.py checks its signature.
+"""
+
+from __future__ import annotations
+
+HOOK_TARGET = (
+    "sglang.srt.managers.scheduler_components.output_streamer."
+    "SchedulerOutputStreamer.get_cached_tokens_details"
+)
+
+
+def add_link_stats(result, _streamer, req):
+    from sglang_patches.chunk_cache import STATS_ATTR
+
+    stats = getattr(req, STATS_ATTR, None)
+    if stats is None:
+        return result
+    return {**(result or {"device": 0, "host": 0}), **stats.as_meta()}
+
+
+def register() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(HOOK_TARGET, add_link_stats, HookType.AFTER)

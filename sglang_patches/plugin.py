@@ -1,0 +1,49 @@
+"""picrag's SGLang plugin (entry-point group ``sglang.srt.plugins``).
+
+SGLang calls `register` early in its main, scheduler and detokenizer processes. It adds:
+* the radix-cache backend ``pic`` (`--radix-cache-backend pic`): sglang_patches.chunk_cache;
+* the attention backend ``picrag_native`` (`--attention-backend picrag_native`): SGLang's
+  torch_native backend with extend attention on real query rows only (sglang_patches.attention);
+* a hook that adds each request's chunk-cache accounting to ``meta_info`` (sglang_patches.meta_info).
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+RADIX_CACHE_BACKEND = "pic"
+SUPPORTED_SGLANG = "0.5.23"
+
+
+def _chunk_cache_factory(ctx):
+    from sglang_patches.chunk_cache import ChunkRadixCache
+    from sglang_patches.metrics import prometheus_counters
+    from sglang_patches.rope_shift import KeyShifter
+
+    model = ctx.tp_worker.model_runner.model
+    kv_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
+    cache = ChunkRadixCache(
+        ctx.params, kv_pool=kv_pool, shifter=KeyShifter.from_model(model),
+        counters=prometheus_counters(),
+    )
+    logger.info("picrag chunk radix cache active (pool of %d tokens)", kv_pool.size)
+    return cache
+
+
+def register() -> None:
+    import sglang
+
+    if sglang.__version__ != SUPPORTED_SGLANG:
+        raise RuntimeError(
+            f"picrag's SGLang patches are written for sglang=={SUPPORTED_SGLANG}, found {sglang.__version__}"
+        )
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
+
+    from sglang_patches import attention, meta_info
+
+    if get_radix_cache_factory(RADIX_CACHE_BACKEND) is None:
+        register_radix_cache_backend(RADIX_CACHE_BACKEND, _chunk_cache_factory)
+    attention.register()
+    meta_info.register()
