@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     prepare = model_commands.add_parser("prepare", help="convert a preset once; print its folder")
     prepare.add_argument("preset", nargs="?", default=DEFAULT_PRESET, choices=sorted(PRESETS))
     prepare.set_defaults(func=_model_prepare)
+
+    from retrieval.cli import register as register_index_commands
+
+    register_index_commands(commands)
     return parser
 
 

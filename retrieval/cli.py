@@ -174,7 +174,7 @@ def search_command(args: argparse.Namespace) -> int:
 
 def _read_passages(args: argparse.Namespace) -> list[Passage]:
     started = time.perf_counter()
-    passages = chunk_documents(read_documents(args.corpus), _token_counter(args.tokenizer), args.chunk_tokens)
+    passages = chunk_documents(read_documents(args.corpus), resolve_token_counter(args.tokenizer), args.chunk_tokens)
     logger.info("read %d passages from %s in %.1f s", len(passages),
                 ", ".join(map(str, args.corpus)), time.perf_counter() - started)
     if not passages:
@@ -182,7 +182,8 @@ def _read_passages(args: argparse.Namespace) -> list[Passage]:
     return passages
 
 
-def _token_counter(tokenizer: Path | None) -> TokenCounter:
+def resolve_token_counter(tokenizer: Path | None) -> TokenCounter:
+    """Counts tokens of the tokenizer folder given, else of the project's default LLM."""
     if tokenizer is not None:
         return token_counter(tokenizer)
     try:

@@ -97,14 +97,17 @@ class PassageIndex:
         if vectors.shape != (len(passages), self.embedding.dimension):
             raise ValueError(f"expected vectors of shape ({len(passages)}, {self.embedding.dimension}), "
                              f"got {vectors.shape}")
-        rows = []
+        rows: list[int] = []
+        taken: set[str] = set()
         for row, passage in enumerate(passages):
-            if passage.id not in self._rows:
-                self._rows[passage.id] = len(self._passages)
-                self._passages.append(passage)
+            if passage.id not in self._rows and passage.id not in taken:
+                taken.add(passage.id)
                 rows.append(row)
         if rows:
             self._faiss.add(np.ascontiguousarray(vectors[rows]))
+        for row in rows:
+            self._rows[passages[row].id] = len(self._passages)
+            self._passages.append(passages[row])
         return len(rows)
 
     def search(self, vectors: np.ndarray, k: int) -> list[list[Passage]]:
@@ -113,9 +116,9 @@ class PassageIndex:
         k = min(k, len(self._passages))
         if k <= 0:
             return [[] for _ in vectors]
-        if self.hnsw is not None:
-            self._faiss.hnsw.efSearch = max(self.hnsw.ef_search, k)
-        scores, rows = self._faiss.search(vectors, k)
+        # Per-call parameters rather than the index's own efSearch: safe under concurrent searches.
+        params = faiss.SearchParametersHNSW(efSearch=max(self.hnsw.ef_search, k)) if self.hnsw else None
+        scores, rows = self._faiss.search(vectors, k, params=params)
         return [[self._passages[row].with_score(float(score)) for score, row in zip(query_scores, query_rows) if row >= 0]
                 for query_scores, query_rows in zip(scores, rows)]
 

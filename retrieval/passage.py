@@ -38,7 +38,8 @@ class Passage:
         return cls(id=passage_id(text), title=title, text=text, metadata=dict(metadata or {}))
 
     def embedding_text(self) -> str:
-        """What the embedder sees: the title carries the entity names that questions ask about."""
+        """What the embedder sees: a later chunk of a long document may never name its subject,
+        the title does."""
         return f"{self.title}\n{self.text.strip()}" if self.title else self.text.strip()
 
     def with_score(self, score: float) -> Passage:

@@ -52,14 +52,11 @@ class ServerHandle:
         return httpx.Client(base_url=self.url, timeout=timeout)
 
 
-@pytest.fixture(scope="session")
-def picrag_server(default_model_dir: Path, tmp_path_factory) -> ServerHandle:
-    """`picrag serve` on the default model, started once and stopped by PID at the end."""
+def start_picrag_server(log: Path, extra_args: list[str]) -> ServerHandle:
     port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [
         sys.executable, "-m", "rag_server.cli", "serve",
-        "--port", str(port), "--max-total-tokens", "8192", "--runtime-log", str(log),
+        "--port", str(port), "--runtime-log", str(log), *extra_args,
     ]
     with open(log, "ab") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
@@ -70,15 +67,18 @@ def picrag_server(default_model_dir: Path, tmp_path_factory) -> ServerHandle:
             pytest.fail(f"picrag serve exited with {process.returncode}:\n{log.read_text()[-4000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                break
+                return ServerHandle(url, process, log)
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
             process.kill()
             pytest.fail(f"picrag serve not healthy after 600 s:\n{log.read_text()[-4000:]}")
         time.sleep(1)
-    handle = ServerHandle(url, process, log)
-    yield handle
+
+
+def stop_picrag_server(handle: ServerHandle) -> None:
+    """Stop by PID and check that no runtime process outlives the server."""
+    process = handle.process
     children = psutil.Process(process.pid).children(recursive=True)
     process.send_signal(signal.SIGTERM)
     try:
@@ -90,3 +90,12 @@ def picrag_server(default_model_dir: Path, tmp_path_factory) -> ServerHandle:
     for child in alive:
         child.kill()
     assert not alive, f"picrag serve left children behind: {[c.pid for c in alive]}"
+
+
+@pytest.fixture(scope="session")
+def picrag_server(default_model_dir: Path, tmp_path_factory) -> ServerHandle:
+    """`picrag serve` on the default model, shared by the whole session."""
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    handle = start_picrag_server(log, ["--max-total-tokens", "16384"])
+    yield handle
+    stop_picrag_server(handle)

@@ -1,0 +1,83 @@
+"""One prompt layout for every policy: [head][chunk 1]...[chunk n][question + answer cue].
+
+The model's chat template is rendered once around a placeholder user message; the text before
+the placeholder (system prompt, user-turn opener, instructions) is the *head*, the text after
+it closes the turn and opens the assistant's. Each piece is tokenized on its own, so a
+passage's tokens are the same wherever it lands, which is what lets its KV be reused. No BOS
+is added at chunk heads (the CacheBlend/CacheRepair layout); full prefill sees the very same
+token ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You answer questions using the documents provided. "
+    "Answer with at most 5 words, no explanation."
+)
+_PLACEHOLDER = "\x00PICRAG_USER_MESSAGE\x00"
+
+
+class Tokenizer(Protocol):
+    def __call__(self, text: str, add_special_tokens: bool = ...) -> dict: ...
+
+    def apply_chat_template(self, messages: list[dict], **kwargs) -> str: ...
+
+
+@dataclass(frozen=True)
+class PromptPassage:
+    title: str
+    text: str
+
+
+@dataclass
+class CompiledPrompt:
+    input_ids: list[int]
+    chunks: list[tuple[int, int]]
+
+    @property
+    def chunk_tokens(self) -> int:
+        return sum(end - start for start, end in self.chunks)
+
+
+def passage_text(passage: PromptPassage) -> str:
+    # No position-dependent numbering: a passage's tokens must not depend on where it lands.
+    title = f" (Title: {passage.title})" if passage.title else ""
+    return f"Document{title}: {passage.text.strip()}\n\n"
+
+
+def question_text(question: str) -> str:
+    return f"Question: {question.strip()}\nAnswer:"
+
+
+class PromptLayout:
+    def __init__(self, tokenizer: Tokenizer, system_prompt: str = DEFAULT_SYSTEM_PROMPT):
+        self.tokenizer = tokenizer
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "system", "content": system_prompt}, {"role": "user", "content": _PLACEHOLDER}],
+            tokenize=False, add_generation_prompt=True,
+        )
+        head, tail = rendered.split(_PLACEHOLDER)
+        self.head_ids = self.encode(head + "Documents:\n\n")
+        self.tail_text = tail
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def passage_ids(self, passage: PromptPassage) -> list[int]:
+        return self.encode(passage_text(passage))
+
+    def question_ids(self, question: str) -> list[int]:
+        return self.encode(question_text(question) + self.tail_text)
+
+    def build(self, question: str, passages: Sequence[PromptPassage]) -> CompiledPrompt:
+        ids = list(self.head_ids)
+        chunks = []
+        for passage in passages:
+            piece = self.passage_ids(passage)
+            chunks.append((len(ids), len(ids) + len(piece)))
+            ids.extend(piece)
+        ids.extend(self.question_ids(question))
+        return CompiledPrompt(input_ids=ids, chunks=chunks)
