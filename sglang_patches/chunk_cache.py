@@ -31,7 +31,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
-from sglang_patches.link_hints import LinkHintError, LinkRequest, parse_link_request
+from sglang_patches.link_hints import CHUNK_POLICIES, LinkHintError, LinkRequest, parse_link_request
 from sglang_patches.rope_shift import KeyShifter
 
 logger = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class ChunkRadixCache(RadixCache):
             key = params.key
             if key.extra_key != req.extra_key:
                 key = RadixKey(key.token_ids, req.extra_key, limit=key.limit, cache_salt=key.cache_salt)
-            if link.chunks and not self.disable:
+            if link.policy in CHUNK_POLICIES and link.chunks and not self.disable:
                 self._graft_chunks(key, link, stats)
             result = super().match_prefix(MatchPrefixParams(key=key, cow_mamba=params.cow_mamba, req=req))
         prompt_len = len(req.origin_input_ids)

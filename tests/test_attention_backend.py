@@ -1,0 +1,59 @@
+"""picrag's query-only extend attention equals SGLang's torch_native extend attention."""
+
+import os
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+import pytest
+import torch
+
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+from sglang_patches.attention import QueryOnlyTorchNativeBackend, offset_causal_mask
+
+
+def run_extend(backend_cls, prefix_lens, extend_lens, sliding_window=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    heads, kv_heads, dim, pool = 6, 2, 16, 512
+    k_cache = torch.randn(pool, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(pool, kv_heads, dim, generator=gen)
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    req_to_token = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int64)
+    # Scattered, non-contiguous slots: rows need not be contiguous in SGLang.
+    slots = torch.randperm(pool, generator=gen)
+    taken = 0
+    for row, n in enumerate(seq_lens):
+        req_to_token[row, :n] = slots[taken : taken + n]
+        taken += n
+    query = torch.randn(sum(extend_lens), heads, dim, generator=gen)
+    output = torch.zeros_like(query)
+    backend = object.__new__(backend_cls)  # the SDPA routine needs no model runner
+    backend._run_sdpa_forward_extend(
+        query, output, k_cache, v_cache, req_to_token,
+        torch.arange(len(seq_lens)), torch.tensor(seq_lens),
+        torch.tensor(prefix_lens), torch.tensor(extend_lens),
+        scaling=dim ** -0.5, enable_gqa=True, causal=True,
+        sliding_window_size=sliding_window,
+    )
+    return output
+
+
+@pytest.mark.parametrize(
+    "prefix_lens,extend_lens",
+    [([0], [37]), ([50], [7]), ([120, 0, 33], [1, 64, 9]), ([200], [200])],
+)
+def test_query_only_extend_equals_torch_native(prefix_lens, extend_lens):
+    expected = run_extend(TorchNativeAttnBackend, prefix_lens, extend_lens)
+    got = run_extend(QueryOnlyTorchNativeBackend, prefix_lens, extend_lens)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_query_only_extend_with_sliding_window_equals_torch_native():
+    expected = run_extend(TorchNativeAttnBackend, [90, 10], [12, 40], sliding_window=16)
+    got = run_extend(QueryOnlyTorchNativeBackend, [90, 10], [12, 40], sliding_window=16)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_offset_causal_mask_places_queries_at_the_end():
+    mask = offset_causal_mask(q_len=2, kv_len=5, device=torch.device("cpu"))
+    assert mask.tolist() == [[True, True, True, True, False], [True, True, True, True, True]]

@@ -1,0 +1,146 @@
+"""The chunk cache inside SGLang's real runtime: reuse at any position, counted and exact."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from rag_server.prompt_layout import PromptLayout, PromptPassage
+from sglang_patches.link_hints import link_hints
+
+pytestmark = pytest.mark.server
+
+
+@pytest.fixture(scope="module")
+def layout(default_model_dir) -> PromptLayout:
+    from transformers import AutoTokenizer
+
+    return PromptLayout(AutoTokenizer.from_pretrained(default_model_dir))
+
+
+@pytest.fixture(scope="module")
+def musique(shared_qa) -> list[dict]:
+    rows = [json.loads(line) for line in (shared_qa / "musique.dev.jsonl").read_text().splitlines()]
+    return rows
+
+
+def passages_of(row: dict, picks) -> list[PromptPassage]:
+    return [PromptPassage(row["passages"][i]["title"], row["passages"][i]["text"]) for i in picks]
+
+
+def generate(client, input_ids, policy=None, chunks=(), max_new_tokens=8, logprobs=False) -> dict:
+    body = {
+        "input_ids": input_ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
+        "return_logprob": logprobs,
+    }
+    if policy is not None:
+        body["kv_hints"] = link_hints(policy, list(chunks))
+    response = client.post("/generate", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def picrag_meta(out: dict) -> dict:
+    details = out["meta_info"].get("cached_tokens_details") or {}
+    return {k.removeprefix("picrag_"): v for k, v in details.items() if k.startswith("picrag_")}
+
+
+def logprobs_of(out: dict) -> list[float]:
+    return [entry[0] for entry in out["meta_info"]["output_token_logprobs"]]
+
+
+def counters(client) -> dict[str, float]:
+    text = client.get("/metrics").text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^picrag_(\w+)_total (\S+)$", text, re.M)}
+
+
+def test_naive_chunk_at_position_zero_equals_vanilla_prefix_caching(picrag_server, layout, musique):
+    row = musique[0]
+    chunk = layout.passage_ids(passages_of(row, [0])[0])
+    question = layout.question_ids(row["question"])
+    ids = chunk + question
+    with picrag_server.client() as client:
+        naive = generate(client, ids, "naive", [(0, len(chunk))], logprobs=True)
+        # Vanilla SGLang: the passage alone first, then the prompt, which hits it as a prefix.
+        generate(client, chunk, max_new_tokens=1)
+        vanilla = generate(client, ids, logprobs=True)
+    assert vanilla["meta_info"]["cached_tokens"] == len(chunk)
+    meta = picrag_meta(naive)
+    assert meta["chunk_hits"] == 1 and meta["reused_tokens"] == len(chunk)
+    assert meta["computed_tokens"] == len(question)
+    assert naive["output_ids"] == vanilla["output_ids"]
+    assert logprobs_of(naive) == pytest.approx(logprobs_of(vanilla), abs=1e-6)
+
+
+def test_passage_reused_behind_other_prefixes_is_computed_once(picrag_server, layout, musique):
+    shared, others = musique[1], musique[2]
+    shared_passage = passages_of(shared, [0])
+    first = layout.build(shared["question"], passages_of(others, [0]) + shared_passage)
+    second = layout.build(shared["question"], passages_of(others, [1, 2]) + shared_passage)
+    assert first.chunks[-1][0] != second.chunks[-1][0]  # the passage lands at another offset
+    warm_up = layout.build("warm-up", passages_of(musique[3], [0]))
+    with picrag_server.client() as client:
+        generate(client, warm_up.input_ids, "naive", warm_up.chunks)  # caches the head
+        before = counters(client)
+        out_first = generate(client, first.input_ids, "naive", first.chunks)
+        after_first = counters(client)
+        out_second = generate(client, second.input_ids, "naive", second.chunks, logprobs=True)
+        after_second = counters(client)
+        client.post("/flush_cache").raise_for_status()
+        cold_second = generate(client, second.input_ids, "naive", second.chunks, logprobs=True)
+
+    question_len = len(first.input_ids) - first.chunks[-1][1]
+    # First prompt: its two passages are compiled (computed alone), head reused.
+    assert after_first["compile_chunk_misses"] - before["compile_chunk_misses"] == 2
+    assert picrag_meta(out_first)["computed_tokens"] == question_len
+    # Second prompt: only its two new passages are computed; the shared one is a hit.
+    assert after_second["compile_chunk_misses"] - after_first["compile_chunk_misses"] == 2
+    assert after_second["compile_chunk_hits"] - after_first["compile_chunk_hits"] == 2  # head + shared
+    meta = picrag_meta(out_second)
+    assert meta["chunk_hits"] == 3 and meta["chunk_misses"] == 0
+    assert meta["computed_tokens"] == len(second.input_ids) - second.chunks[-1][1]
+    assert meta["reused_tokens"] == second.chunks[-1][1]
+    # The head (and any leading tokens shared with the first prompt's path) were already in
+    # the tree; the rest of the three passages was re-positioned from the chunk store.
+    grafted = after_second["grafted_tokens"] - after_first["grafted_tokens"]
+    assert second.chunks[-1][1] - len(layout.head_ids) - 16 <= grafted <= second.chunks[-1][1] - len(layout.head_ids)
+    # Determinism: with an empty cache the same request recomputes the same answer.
+    assert picrag_meta(cold_second)["chunk_hits"] == 3
+    assert cold_second["output_ids"] == out_second["output_ids"]
+    assert logprobs_of(cold_second) == pytest.approx(logprobs_of(out_second), abs=1e-5)
+
+
+def test_full_and_prefix_policies_do_not_reuse_chunks(picrag_server, layout, musique):
+    prompt = layout.build(musique[4]["question"], passages_of(musique[4], [0, 1]))
+    with picrag_server.client() as client:
+        generate(client, prompt.input_ids, "naive", prompt.chunks)
+        full = generate(client, prompt.input_ids, "full", prompt.chunks)
+        full_again = generate(client, prompt.input_ids, "full", prompt.chunks)
+        prefix = generate(client, prompt.input_ids, "prefix", prompt.chunks)
+        vanilla = generate(client, prompt.input_ids)
+    for out in (full, full_again):
+        assert picrag_meta(out)["reused_tokens"] == 0
+        assert picrag_meta(out)["computed_tokens"] == len(prompt.input_ids)
+    # prefix is vanilla SGLang: the same output, and naive's KV never leaks into its namespace.
+    assert prefix["output_ids"] == vanilla["output_ids"] == full["output_ids"]
+
+
+def test_concurrent_requests_sharing_chunks_match_serial_runs(picrag_server, layout, musique):
+    row_a, row_b = musique[5], musique[6]
+    pool = passages_of(row_a, [0, 1, 2]) + passages_of(row_b, [0, 1])
+    orders = [[0, 1, 2], [2, 1, 0], [3, 0, 4], [4, 3], [1, 3, 2], [0, 4], [2, 0, 3, 1], [4, 2]]
+    prompts = [
+        layout.build((row_a if i % 2 else row_b)["question"], [pool[j] for j in order])
+        for i, order in enumerate(orders)
+    ]
+    with picrag_server.client() as client:
+        serial = [generate(client, p.input_ids, "naive", p.chunks)["output_ids"] for p in prompts]
+        with ThreadPoolExecutor(max_workers=8) as workers:
+            concurrent = list(workers.map(
+                lambda p: generate(client, p.input_ids, "naive", p.chunks)["output_ids"], prompts
+            ))
+    assert concurrent == serial
