@@ -2,21 +2,32 @@
 
 SGLang's native routes (`/generate`, `/get_model_info`, `/flush_cache`, ...) pass through
 unchanged, streaming included, so unmodified SGLang clients and DSL scripts work against
-picrag's port.
+picrag's port. picrag's own routes: `/rag/query` and `/rag/retrieve` (rag_server/rag_api.py),
+RAG through `/v1/chat/completions` with a `picrag` field (rag_server/openai_chat.py), chunk
+markers in `/generate` texts (rag_server/chunk_markers.py) and `/concate_and_append_request`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from rag_server.chunk_compiler import ChunkCompiler, CompileError
-from sglang_patches.link_hints import LinkHintError, parse_link_request
+from rag_server.chunk_markers import link_marked_payload
+from rag_server.context_window import ContextLimits
+from rag_server.linked_generation import LinkedGenerator
+from rag_server.openai_chat import rag_chat_completion
+from rag_server.rag_api import MAX_BODY_BYTES
+from rag_server.rag_api import router as rag_router
+from rag_server.rag_service import DEFAULT_POLICY, RagService
+from sglang_patches.link_hints import POLICIES, LinkHintError, parse_link_request
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +42,72 @@ PASSTHROUGH_ROUTES: dict[str, list[str]] = {
     "/metrics": ["GET"],
     "/v1/models": ["GET"],
     "/v1/completions": ["POST"],
-    "/v1/chat/completions": ["POST"],
 }
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
 
 
-def create_app(runtime_url: str) -> FastAPI:
+class BodyLimit:
+    """Refuse oversized bodies under `prefix` before reading them (pydantic limits the fields).
+
+    Plain ASGI rather than an HTTP middleware, which would wrap every streamed response."""
+
+    def __init__(self, app, prefix: str, max_bytes: int):
+        self.app = app
+        self.prefix = prefix
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith(self.prefix):
+            length = dict(scope["headers"]).get(b"content-length", b"0")
+            if length.isdigit() and int(length) > self.max_bytes:
+                response = JSONResponse({"detail": f"request body over {self.max_bytes} bytes"}, 413)
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def leading_special_tokens(tokenizer) -> list[int]:
+    """What the tokenizer puts before any text (a BOS for some models, nothing for others)."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a")["input_ids"]
+    return list(full[: full.index(plain[0])]) if plain and plain[0] in full else []
+
+
+async def _context_limits(client: httpx.AsyncClient, model_path: Path) -> ContextLimits:
+    server_info = (await client.get("/get_server_info")).json()
+    context_length = server_info.get("context_length")
+    if not context_length:  # not set on the command line: the model's own
+        config = json.loads((model_path / "config.json").read_text())
+        context_length = config["max_position_embeddings"]
+    return ContextLimits(
+        context_length=int(context_length),
+        max_input_tokens=int(server_info.get("max_req_input_len") or context_length),
+    )
+
+
+def _load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _open_index(index_dir: Path):
+    from retrieval.retriever import Retriever
+
+    return Retriever.open(index_dir)
+
+
+def create_app(
+    runtime_url: str,
+    *,
+    model_path: Path | None = None,
+    index_dir: Path | None = None,
+    default_policy: str = DEFAULT_POLICY,
+) -> FastAPI:
+    """The frontend for a runtime that is already up. `model_path` (default: the runtime's)
+    gives the tokenizer and context window; `index_dir` the passage index to retrieve from."""
+    if default_policy not in POLICIES:
+        raise ValueError(f"unknown default policy {default_policy!r}; known: {', '.join(POLICIES)}")
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         # No read timeout: a long prefill on CPU can take minutes before the first byte.
@@ -44,10 +115,28 @@ def create_app(runtime_url: str) -> FastAPI:
             base_url=runtime_url, timeout=httpx.Timeout(10.0, read=None)
         )
         app.state.compiler = ChunkCompiler(app.state.client)
-        yield
-        await app.state.client.aclose()
+        try:
+            info = (await app.state.client.get("/get_model_info")).json()
+            app.state.model_name = info.get("served_model_name") or info["model_path"]
+            model_dir = Path(model_path or info["model_path"])
+            tokenizer = await asyncio.to_thread(_load_tokenizer, Path(info.get("tokenizer_path") or model_dir))
+            retriever = await asyncio.to_thread(_open_index, index_dir) if index_dir else None
+            app.state.rag = RagService(
+                tokenizer,
+                LinkedGenerator(app.state.client, app.state.compiler),
+                await _context_limits(app.state.client, model_dir),
+                retriever=retriever,
+                default_policy=default_policy,
+            )
+            app.state.special_prefix = leading_special_tokens(tokenizer)
+            yield
+        finally:
+            await app.state.client.aclose()
 
     app = FastAPI(title="picrag", version="0.1.0", lifespan=lifespan)
+    app.include_router(rag_router)
+
+    app.add_middleware(BodyLimit, prefix="/rag/", max_bytes=MAX_BODY_BYTES)
 
     @app.get("/health")
     async def health() -> Response:
@@ -95,8 +184,14 @@ def create_app(runtime_url: str) -> FastAPI:
             payload = json.loads(body)
         except ValueError:
             return await forward(request, body)  # SGLang answers malformed JSON itself
-        if not isinstance(payload, dict) or not payload.get("kv_hints"):
+        if not isinstance(payload, dict):
             return await forward(request, body)
+        if not payload.get("kv_hints"):
+            rag: RagService = app.state.rag
+            marked = link_marked_payload(payload, rag.layout.encode, app.state.special_prefix, rag.default_policy)
+            if marked is None:
+                return await forward(request, body)
+            payload, body = marked, json.dumps(marked).encode()
         try:
             link = parse_link_request(payload["kv_hints"])
             if link is not None and not link.compile:
@@ -115,6 +210,36 @@ def create_app(runtime_url: str) -> FastAPI:
                 logger.error("chunk compile failed: %s", exc)
                 return JSONResponse({"error": {"message": str(exc), "type": "compile_failed"}}, 503)
         return await forward(request, body)
+
+    @app.post("/v1/chat/completions", include_in_schema=False)
+    async def chat_completions(request: Request) -> Response:
+        """SGLang's chat endpoint, or RAG when the body carries a `picrag` field."""
+        body = await request.body()
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            return await forward(request, body)
+        if not (isinstance(payload, dict) and "picrag" in payload):
+            return await forward(request, body)
+        return await rag_chat_completion(app.state.rag, payload, app.state.model_name)
+
+    @app.post("/concate_and_append_request", include_in_schema=False)
+    async def concate_and_append_request(request: Request) -> Response:
+        """The DSL's `join(mode="concate_and_append")`; SGLang 0.5.23 dropped the route.
+
+        By the time the DSL calls it, it has already appended the forks' texts to the parent's
+        text, and every later `/generate` sends that whole text, so acknowledging is enough for
+        correct results. The forks' KV is not spliced: the radix cache reuses the common
+        prefix, and passages wrapped in `rag_server.dsl.chunk` are reused at any position.
+        """
+        try:
+            payload = json.loads(await request.body())
+        except ValueError:
+            payload = None
+        if not (isinstance(payload, dict) and isinstance(payload.get("src_rids"), list)
+                and isinstance(payload.get("dst_rid"), str)):
+            return JSONResponse({"error": {"message": "expected {\"src_rids\": [...], \"dst_rid\": \"...\"}"}}, 400)
+        return JSONResponse({"success": True})
 
     for path, methods in PASSTHROUGH_ROUTES.items():
         app.add_api_route(path, forward, methods=methods, include_in_schema=False)

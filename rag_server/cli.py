@@ -47,11 +47,38 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         runtime.start(timeout_s=args.start_timeout)
         logger.info("picrag frontend listening on http://%s:%d (runtime %s)", args.host, args.port, runtime.url)
-        uvicorn.run(create_app(runtime.url), host=args.host, port=args.port, log_level="warning")
+        app = create_app(runtime.url, model_path=model_path, index_dir=args.index,
+                         default_policy=args.default_policy)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
         runtime.stop()
         logger.info("picrag stopped")
     return 0
+
+
+def _ask(args: argparse.Namespace) -> int:
+    from rag_server.batch_qa import AskOptions, BatchError, run_batch
+
+    options = AskOptions(
+        url=args.url, policy=args.policy, max_tokens=args.max_tokens, top_k=args.top_k,
+        max_passages=args.max_passages, supporting_only=args.supporting_only,
+        server_index=args.server_index,
+    )
+    from retrieval.index import RetrievalIndexError
+
+    try:
+        summary = run_batch(args.questions, args.out, options, limit=args.limit, index_dir=args.index)
+    except (BatchError, RetrievalIndexError, OSError) as exc:
+        print(f"picrag ask: error: {exc}", file=sys.stderr)
+        return 1
+    return 1 if summary.failed else 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {value}")
+    return value
 
 
 def _model_prepare(args: argparse.Namespace) -> int:
@@ -63,6 +90,8 @@ def _model_prepare(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from rag_server.model_store import DEFAULT_PRESET, PRESETS
+    from rag_server.rag_service import DEFAULT_POLICY
+    from sglang_patches.link_hints import POLICIES
 
     parser = argparse.ArgumentParser(
         prog="picrag",
@@ -98,7 +127,38 @@ def build_parser() -> argparse.ArgumentParser:
                        help="write the runtime's output to this file instead of the terminal")
     serve.add_argument("--runtime-log-level", default="warning")
     serve.add_argument("--start-timeout", type=float, default=600.0)
+    serve.add_argument("--index", type=Path, default=None, metavar="DIR",
+                       help="passage index (`picrag index build`) that /rag/query retrieves from")
+    serve.add_argument("--default-policy", default=DEFAULT_POLICY, choices=POLICIES,
+                       help=f"link policy of requests that name none (default {DEFAULT_POLICY})")
     serve.set_defaults(func=_serve)
+
+    ask = commands.add_parser(
+        "ask", help="answer a JSONL file of questions through a running server (batch QA)",
+        description="Answer the questions of a JSONL file (shared QA format: id, question, optional "
+        "answers and passages) through a running picrag server's /rag/query. Resumable: ids already "
+        "in --out are skipped. Prints EM/F1 when the rows carry gold answers.",
+    )
+    ask.add_argument("--questions", type=Path, required=True, metavar="FILE.jsonl")
+    ask.add_argument("--out", type=Path, required=True, metavar="ANSWERS.jsonl",
+                     help="answers, one JSON object a line (appended to)")
+    ask.add_argument("--url", default="http://127.0.0.1:8000", help="picrag server (default %(default)s)")
+    ask.add_argument("--policy", choices=POLICIES, default=None, help="link policy (default: the server's)")
+    source = ask.add_mutually_exclusive_group()
+    source.add_argument("--index", type=Path, default=None, metavar="DIR",
+                        help="retrieve from this local index instead of using the rows' passages")
+    source.add_argument("--server-index", action="store_true",
+                        help="ignore the rows' passages: the server retrieves from its --index")
+    ask.add_argument("--top-k", type=_positive_int, default=None, metavar="K",
+                     help="passages to retrieve (default 5)")
+    ask.add_argument("--max-passages", type=_positive_int, default=None, metavar="N",
+                     help="rows' passages: use the first N only")
+    ask.add_argument("--supporting-only", action="store_true",
+                     help="rows' passages: only those marked is_supporting (oracle setting)")
+    ask.add_argument("--max-tokens", type=_positive_int, default=32, metavar="N",
+                     help="new tokens per answer (default 32)")
+    ask.add_argument("--limit", type=_positive_int, default=None, metavar="N", help="the first N questions only")
+    ask.set_defaults(func=_ask)
 
     model = commands.add_parser("model", help="manage model presets")
     model_commands = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")

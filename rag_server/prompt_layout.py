@@ -53,10 +53,14 @@ def question_text(question: str) -> str:
 
 
 class PromptLayout:
-    def __init__(self, tokenizer: Tokenizer, system_prompt: str = DEFAULT_SYSTEM_PROMPT):
+    def __init__(self, tokenizer: Tokenizer, system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+                 history: Sequence[dict] = ()):
+        """`history`: earlier chat turns ({"role", "content"}), rendered into the head between
+        the system prompt and the final user turn that holds the documents and question."""
         self.tokenizer = tokenizer
         rendered = tokenizer.apply_chat_template(
-            [{"role": "system", "content": system_prompt}, {"role": "user", "content": _PLACEHOLDER}],
+            [{"role": "system", "content": system_prompt}, *history,
+             {"role": "user", "content": _PLACEHOLDER}],
             tokenize=False, add_generation_prompt=True,
         )
         head, tail = rendered.split(_PLACEHOLDER)

@@ -212,7 +212,10 @@ class ChunkRadixCache(RadixCache):
                 self.evict_for_graft(needed - allocator.available_size())
             new_slots = allocator.alloc(needed)
             if new_slots is None:
-                logger.info("chunk graft of %d tokens skipped: KV pool full", needed)
+                logger.warning(
+                    "chunk graft of %d tokens skipped: KV pool full (free %d, evictable %d, locked %d)",
+                    needed, allocator.available_size(), self.evictable_size(), self.protected_size(),
+                )
                 self.counters.add("graft_skipped_pool_full")
                 return None
             new_slots = new_slots.to(torch.int64)

@@ -1,0 +1,75 @@
+"""Fit passages into the model's context window by dropping whole passages, worst first.
+
+A passage is a reusable chunk: cutting one mid-way would change its tokens (no reuse) and
+silently hide part of a document from the model. So when the prompt would not fit, the
+lowest-scored passages go (without scores, the last given), the rest keep their order, and the
+caller reports what was dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rag_server.prompt_layout import PromptLayout, PromptPassage
+
+
+class PromptTooLong(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ContextLimits:
+    """What the runtime accepts: `context_length` positions for prompt plus generated tokens,
+    and at most `max_input_tokens` prompt tokens (SGLang keeps a few positions in reserve)."""
+
+    context_length: int
+    max_input_tokens: int
+
+    def prompt_budget(self, max_new_tokens: int) -> int:
+        return min(self.max_input_tokens, self.context_length - max_new_tokens)
+
+
+@dataclass(frozen=True)
+class ScoredPassage:
+    id: str
+    title: str
+    text: str
+    score: float | None = None
+
+    def prompt_passage(self) -> PromptPassage:
+        return PromptPassage(self.title, self.text)
+
+
+@dataclass
+class FittedPassages:
+    kept: list[ScoredPassage]
+    dropped: list[ScoredPassage]
+
+
+def fit_passages(
+    layout: PromptLayout, question: str, passages: Sequence[ScoredPassage], budget: int
+) -> FittedPassages:
+    fixed = len(layout.head_ids) + len(layout.question_ids(question))
+    if fixed > budget:
+        raise PromptTooLong(
+            f"the question alone needs {fixed} prompt tokens; the context window leaves {budget} "
+            "(shorten the question or lower max_tokens)"
+        )
+    sizes = [len(layout.passage_ids(p.prompt_passage())) for p in passages]
+    # Drop order: lowest score first; unscored passages count as lowest; ties: later first.
+    drop_order = sorted(
+        range(len(passages)),
+        key=lambda i: (passages[i].score is not None, passages[i].score or 0.0, -i),
+    )
+    total = fixed + sum(sizes)
+    dropped: set[int] = set()
+    for index in drop_order:
+        if total <= budget:
+            break
+        dropped.add(index)
+        total -= sizes[index]
+    return FittedPassages(
+        kept=[p for i, p in enumerate(passages) if i not in dropped],
+        dropped=[p for i, p in enumerate(passages) if i in dropped],
+    )

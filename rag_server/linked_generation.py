@@ -1,0 +1,88 @@
+"""Send one linked prompt to the runtime: compile its chunks, then stream the generation.
+
+This is the path the `/generate` handler takes for a `picrag.link` request (the ChunkCompiler,
+then the runtime's `/generate`), called in-process by the RAG routes instead of over HTTP.
+The runtime is always asked to stream, so the frontend sees the first token when it is
+produced and can report time to first token for streaming and non-streaming clients alike.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from rag_server.chunk_compiler import ChunkCompiler, CompileError
+from sglang_patches.link_hints import LinkRequest, link_hints
+
+
+class GenerationError(RuntimeError):
+    """The runtime refused or failed the request; `status` is the HTTP status to report."""
+
+    def __init__(self, message: str, status: int = 502):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class RuntimeDelta:
+    text: str  # text produced since the previous delta
+    meta: dict[str, Any]  # the runtime's meta_info; the last delta's carries the final counts
+
+
+class LinkedGenerator:
+    def __init__(self, client: httpx.AsyncClient, compiler: ChunkCompiler):
+        self.client = client
+        self.compiler = compiler
+
+    async def compile(self, input_ids: list[int], policy: str, chunks: Sequence[tuple[int, int]]) -> float:
+        """Make sure the prompt's chunks are in the chunk store; returns the seconds it took."""
+        started = time.perf_counter()
+        link = LinkRequest(policy=policy, chunks=tuple(chunks))
+        link.validate(len(input_ids))
+        try:
+            await self.compiler.prepare(input_ids, link)
+        except (CompileError, httpx.HTTPError) as exc:
+            raise GenerationError(f"chunk compile failed: {exc}", 503) from exc
+        return time.perf_counter() - started
+
+    async def stream(
+        self, input_ids: list[int], policy: str, chunks: Sequence[tuple[int, int]], sampling: dict[str, Any]
+    ) -> AsyncIterator[RuntimeDelta]:
+        body = {
+            "input_ids": input_ids,
+            "sampling_params": sampling,
+            "stream": True,
+            "kv_hints": link_hints(policy, list(chunks)),
+        }
+        try:
+            async for delta in self._stream(body):
+                yield delta
+        except httpx.HTTPError as exc:
+            raise GenerationError(f"runtime unavailable: {exc}", 503) from exc
+
+    async def _stream(self, body: dict[str, Any]) -> AsyncIterator[RuntimeDelta]:
+        async with self.client.stream("POST", "/generate", json=body) as response:
+            if response.status_code != 200:
+                detail = (await response.aread()).decode(errors="replace")[:500]
+                # The runtime's 4xx (e.g. a prompt it rejects) is the caller's problem to fix.
+                status = response.status_code if 400 <= response.status_code < 500 else 502
+                raise GenerationError(f"runtime answered {response.status_code}: {detail}", status)
+            emitted = 0
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    raise GenerationError(f"runtime error: {event['error']}")
+                # SGLang streams the cumulative text of the request.
+                text = event.get("text", "")
+                yield RuntimeDelta(text[emitted:], event.get("meta_info") or {})
+                emitted = len(text)

@@ -1,0 +1,192 @@
+"""RAG through OpenAI's chat API: `POST /v1/chat/completions` with a `picrag` extension field.
+
+A body without `picrag` goes to SGLang's own chat endpoint untouched. With it, the request is
+answered like `/rag/query` (same prompt layout, same link path):
+
+    {"model": "...", "messages": [...], "max_tokens": 32, "temperature": 0, "stream": false,
+     "picrag": {"documents": [{"title": "...", "text": "..."}], "top_k": 3, "policy": "naive"}}
+
+The system message (if any) replaces the default RAG system prompt, earlier turns stay chat
+turns before the last one, and the last message, which must be the user's, is the question.
+Honoured sampling fields: max_tokens / max_completion_tokens, temperature, top_p, stop.
+The response is an ordinary chat completion plus a `picrag` object (sources, dropped, warnings,
+reuse counters, timings, policy); streamed, it rides on the chunk carrying `finish_reason`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from rag_server.linked_generation import GenerationError
+from rag_server.rag_api import (MAX_DOCUMENTS, MAX_NEW_TOKENS, MAX_QUESTION_CHARS, MAX_TOP_K, Document,
+                                RagAnswer, check_policy, sse)
+from rag_server.rag_service import RagPlan, RagRequest, RagRequestError, RagResult, RagService
+
+# Without max_tokens an OpenAI model may use the whole window; a RAG answer needs far less,
+# and the reservation shrinks the room for passages.
+DEFAULT_CHAT_MAX_TOKENS = 256
+MAX_MESSAGES = 256
+
+
+class PicragExtension(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    documents: list[Document] | None = Field(None, min_length=1, max_length=MAX_DOCUMENTS)
+    top_k: int | None = Field(None, gt=0, le=MAX_TOP_K)
+    policy: str | None = None
+
+    _policy = field_validator("policy")(check_policy)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class RagChatRequest(BaseModel):
+    # Other OpenAI fields are accepted and ignored, as many OpenAI-compatible servers do.
+    model_config = ConfigDict(extra="ignore")
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    model: str | None = None
+    max_tokens: int | None = Field(None, gt=0, le=MAX_NEW_TOKENS)
+    max_completion_tokens: int | None = Field(None, gt=0, le=MAX_NEW_TOKENS)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=1, description="one choice only")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    picrag: PicragExtension
+
+    def to_request(self, default_policy: str) -> RagRequest:
+        *earlier, last = self.messages
+        if last.role != "user":
+            raise RagRequestError("the last message must be the user's question")
+        question = last.text().strip()
+        if not question:
+            raise RagRequestError("the last user message is empty")
+        if len(question) > MAX_QUESTION_CHARS:
+            raise RagRequestError(f"the question has over {MAX_QUESTION_CHARS} characters")
+        system = [m.text() for m in earlier if m.role in ("system", "developer")]
+        history = [{"role": m.role, "content": m.text()} for m in earlier if m.role in ("user", "assistant")]
+        sampling: dict[str, Any] = {}
+        if self.temperature is not None:
+            sampling["temperature"] = self.temperature
+        if self.top_p is not None:
+            sampling["top_p"] = self.top_p
+        if self.stop is not None:
+            sampling["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        documents = self.picrag.documents
+        return RagRequest(
+            question=question,
+            policy=self.picrag.policy or default_policy,
+            max_tokens=self.max_completion_tokens or self.max_tokens or DEFAULT_CHAT_MAX_TOKENS,
+            sampling=sampling,
+            documents=None if documents is None else [d.scored() for d in documents],
+            top_k=self.picrag.top_k,
+            system_prompt="\n\n".join(system) if system else None,
+            history=history,
+        )
+
+
+def openai_error(status: int, message: str, error_type: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": error_type, "param": None, "code": status}}, status)
+
+
+def _validation_message(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}" for error in exc.errors()
+    )
+
+
+def _picrag_extra(plan: RagPlan, result: RagResult) -> dict[str, Any]:
+    answer = RagAnswer.of(plan, result).model_dump()
+    return {key: answer[key] for key in ("sources", "dropped", "warnings", "usage", "timings", "policy")}
+
+
+def _openai_usage(result: RagResult) -> dict[str, int]:
+    usage = result.usage
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+
+
+async def rag_chat_completion(service: RagService, payload: dict[str, Any], model_name: str):
+    try:
+        chat = RagChatRequest.model_validate(payload)
+        plan = await service.plan(chat.to_request(service.default_policy))
+    except ValidationError as exc:
+        return openai_error(400, _validation_message(exc))
+    except RagRequestError as exc:
+        return openai_error(400, str(exc))
+    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+    model = chat.model or model_name
+    if chat.stream:
+        include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
+        return StreamingResponse(_stream(service, plan, completion_id, model, include_usage),
+                                 media_type="text/event-stream")
+    try:
+        result = await service.answer(plan)
+    except GenerationError as exc:
+        return openai_error(exc.status, str(exc), "server_error" if exc.status >= 500 else "invalid_request_error")
+    return JSONResponse({
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": result.answer},
+            "finish_reason": result.finish_reason,
+            "logprobs": None,
+        }],
+        "usage": _openai_usage(result),
+        "picrag": _picrag_extra(plan, result),
+    })
+
+
+async def _stream(
+    service: RagService, plan: RagPlan, completion_id: str, model: str, include_usage: bool
+) -> AsyncIterator[bytes]:
+    created = int(time.time())
+
+    def chunk(delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> bytes:
+        return sse({
+            "id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
+            **extra,
+        })
+
+    yield chunk({"role": "assistant", "content": ""})
+    try:
+        async for event in service.run(plan):
+            if isinstance(event, RagResult):
+                yield chunk({}, event.finish_reason, picrag=_picrag_extra(plan, event))
+                if include_usage:
+                    yield sse({"id": completion_id, "object": "chat.completion.chunk", "created": created,
+                               "model": model, "choices": [], "usage": _openai_usage(event)})
+            else:
+                yield chunk({"content": event})
+    except GenerationError as exc:
+        yield sse({"error": {"message": str(exc), "type": "server_error", "code": exc.status}})
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,202 @@
+"""A RAG request, end to end: passages (given or retrieved), the prompt, the linked generation.
+
+Every entry point (`/rag/query`, the OpenAI chat extension, batch QA through `/rag/query`)
+goes through `RagService`, so they all build the same prompt (rag_server/prompt_layout.py)
+and take the same compile-then-link path to the runtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rag_server.context_window import ContextLimits, PromptTooLong, ScoredPassage, fit_passages
+from rag_server.linked_generation import LinkedGenerator
+from rag_server.prompt_layout import DEFAULT_SYSTEM_PROMPT, CompiledPrompt, PromptLayout, Tokenizer
+
+if TYPE_CHECKING:
+    from retrieval.retriever import Retriever
+
+# The link policy when a request names none; becomes legolink once the engine has it.
+DEFAULT_POLICY = "naive"
+DEFAULT_TOP_K = 5
+
+
+class RagRequestError(ValueError):
+    """A request the service cannot serve as asked (HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class RagRequest:
+    question: str
+    policy: str
+    max_tokens: int
+    sampling: dict[str, Any] = field(default_factory=dict)  # runtime sampling params besides max_new_tokens
+    documents: Sequence[ScoredPassage] | None = None  # None: retrieve from the loaded index
+    top_k: int | None = None
+    system_prompt: str | None = None
+    history: Sequence[dict[str, str]] = ()  # earlier chat turns
+
+
+@dataclass
+class RagPlan:
+    request: RagRequest
+    prompt: CompiledPrompt
+    passages: list[ScoredPassage]
+    dropped: list[ScoredPassage]
+    warnings: list[str]
+    retrieval_ms: float
+    started: float  # perf_counter() when the request arrived
+
+
+@dataclass(frozen=True)
+class RagUsage:
+    prompt_tokens: int
+    completion_tokens: int
+    reused_tokens: int
+    computed_tokens: int
+
+
+@dataclass(frozen=True)
+class RagTimings:
+    retrieval_ms: float
+    compile_ms: float
+    ttft_ms: float
+    total_ms: float
+
+
+@dataclass(frozen=True)
+class RagResult:
+    answer: str
+    finish_reason: str  # "stop" or "length", as OpenAI names them
+    usage: RagUsage
+    timings: RagTimings
+
+
+def _usage(meta: dict[str, Any], prompt_tokens: int) -> RagUsage:
+    details = meta.get("cached_tokens_details") or {}
+    # Policies without chunk accounting (full, prefix) still report SGLang's own prefix hits.
+    reused = int(details.get("picrag_reused_tokens", meta.get("cached_tokens", 0)))
+    computed = int(details.get("picrag_computed_tokens", prompt_tokens - reused))
+    return RagUsage(
+        prompt_tokens=int(meta.get("prompt_tokens", prompt_tokens)),
+        completion_tokens=int(meta.get("completion_tokens", 0)),
+        reused_tokens=reused,
+        computed_tokens=computed,
+    )
+
+
+def _finish_reason(meta: dict[str, Any]) -> str:
+    reason = meta.get("finish_reason") or {}
+    return "length" if reason.get("type") == "length" else "stop"
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 2)
+
+
+def keep_best(passages: Sequence[ScoredPassage], k: int) -> list[ScoredPassage]:
+    """The `k` best-scored passages (the first `k` when unscored), in their given order."""
+    ranked = sorted(
+        range(len(passages)),
+        key=lambda i: (passages[i].score is None, -(passages[i].score or 0.0), i),
+    )
+    chosen = set(ranked[:k])
+    return [p for i, p in enumerate(passages) if i in chosen]
+
+
+class RagService:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        generator: LinkedGenerator,
+        limits: ContextLimits,
+        retriever: Retriever | None = None,
+        default_policy: str = DEFAULT_POLICY,
+    ):
+        self.tokenizer = tokenizer
+        self.generator = generator
+        self.limits = limits
+        self.retriever = retriever
+        self.default_policy = default_policy
+        self.layout = PromptLayout(tokenizer)
+
+    def _layout(self, request: RagRequest) -> PromptLayout:
+        if request.system_prompt is None and not request.history:
+            return self.layout
+        return PromptLayout(self.tokenizer, request.system_prompt or DEFAULT_SYSTEM_PROMPT, request.history)
+
+    async def retrieve(self, question: str, k: int) -> tuple[list[ScoredPassage], float]:
+        if self.retriever is None:
+            raise RagRequestError(
+                "no passage index is loaded: send `documents` with the request, "
+                "or start the server with `picrag serve --index DIR`"
+            )
+        started = time.perf_counter()
+        # Embedding the question is torch work: keep it off the event loop.
+        found = await asyncio.to_thread(self.retriever.search, question, k)
+        passages = [ScoredPassage(p.id, p.title, p.text, p.score) for p in found]
+        return passages, _ms(time.perf_counter() - started)
+
+    async def plan(self, request: RagRequest) -> RagPlan:
+        started = time.perf_counter()
+        if request.documents is None:
+            candidates, retrieval_ms = await self.retrieve(request.question, request.top_k or DEFAULT_TOP_K)
+        else:
+            candidates, retrieval_ms = list(request.documents), 0.0
+            if request.top_k is not None:
+                candidates = keep_best(candidates, request.top_k)
+        layout = self._layout(request)
+        budget = self.limits.prompt_budget(request.max_tokens)
+        try:
+            fitted = fit_passages(layout, request.question, candidates, budget)
+        except PromptTooLong as exc:
+            raise RagRequestError(str(exc)) from exc
+        warnings = []
+        if fitted.dropped:
+            warnings.append(
+                f"dropped {len(fitted.dropped)} of {len(candidates)} passages (lowest scores first) "
+                f"to fit the context window: {budget} prompt tokens with max_tokens={request.max_tokens}"
+            )
+        prompt = layout.build(request.question, [p.prompt_passage() for p in fitted.kept])
+        return RagPlan(request, prompt, fitted.kept, fitted.dropped, warnings, retrieval_ms, started)
+
+    async def run(self, plan: RagPlan) -> AsyncIterator[str | RagResult]:
+        """Text deltas as the runtime produces them, then the RagResult."""
+        request, prompt = plan.request, plan.prompt
+        policy = request.policy
+        compile_s = await self.generator.compile(prompt.input_ids, policy, prompt.chunks)
+        sampling = {**request.sampling, "max_new_tokens": request.max_tokens}
+        answer: list[str] = []
+        meta: dict[str, Any] = {}
+        first_token_at: float | None = None
+        async for delta in self.generator.stream(prompt.input_ids, policy, prompt.chunks, sampling):
+            meta = delta.meta
+            if delta.text:
+                if first_token_at is None:
+                    first_token_at = time.perf_counter()
+                answer.append(delta.text)
+                yield delta.text
+        finished = time.perf_counter()
+        yield RagResult(
+            answer="".join(answer),
+            finish_reason=_finish_reason(meta),
+            usage=_usage(meta, len(prompt.input_ids)),
+            timings=RagTimings(
+                retrieval_ms=plan.retrieval_ms,
+                compile_ms=_ms(compile_s),
+                ttft_ms=_ms((first_token_at or finished) - plan.started),
+                total_ms=_ms(finished - plan.started),
+            ),
+        )
+
+    async def answer(self, plan: RagPlan) -> RagResult:
+        result = None
+        async for event in self.run(plan):
+            if isinstance(event, RagResult):
+                result = event
+        assert result is not None, "run() always ends with a RagResult"
+        return result

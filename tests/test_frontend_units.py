@@ -1,0 +1,184 @@
+"""The frontend's pieces without a server: chunk markers, context fitting, planning, batch input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from rag_server.batch_qa import AskOptions, Asker, BatchError, Question, read_answers, read_questions
+from rag_server.chunk_markers import (CHUNK_BEGIN, CHUNK_END, Segment, link_marked_payload, mark_chunk,
+                                      split_marked, tokenize_marked)
+from rag_server.cli import build_parser
+from rag_server.context_window import ContextLimits, PromptTooLong, ScoredPassage, fit_passages
+from rag_server.prompt_layout import PromptLayout, PromptPassage, passage_text
+from rag_server.rag_service import RagRequest, RagRequestError, RagService, keep_best
+from sglang_patches.link_hints import parse_link_request
+
+PASSAGES = [
+    ScoredPassage("a", "Eiffel Tower", "The Eiffel Tower is a wrought-iron lattice tower in Paris, France.", 0.9),
+    ScoredPassage("b", "Big Ben", "Big Ben is the great bell of the clock at the Palace of Westminster.", 0.2),
+    ScoredPassage("c", "Colosseum", "The Colosseum is an elliptical amphitheatre in the centre of Rome.", 0.5),
+]
+QUESTION = "Where is the Eiffel Tower?"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def layout(tokenizer) -> PromptLayout:
+    return PromptLayout(tokenizer)
+
+
+def sizes(layout: PromptLayout) -> tuple[int, list[int]]:
+    fixed = len(layout.head_ids) + len(layout.question_ids(QUESTION))
+    return fixed, [len(layout.passage_ids(p.prompt_passage())) for p in PASSAGES]
+
+
+# --- chunk markers ---------------------------------------------------------------------------
+
+def test_split_marked_text():
+    text = f"head {mark_chunk('one')}mid {mark_chunk('two')} tail"
+    assert split_marked(text) == [Segment("head ", False), Segment("one", True), Segment("mid ", False),
+                                  Segment("two", True), Segment(" tail", False)]
+    # A begin marker whose end never comes: that tail is plain text, markers removed.
+    assert split_marked(f"a{CHUNK_BEGIN}b") == [Segment("ab", False)]
+    with pytest.raises(ValueError):
+        mark_chunk(f"x{CHUNK_END}")
+
+
+def test_marked_chunks_tokenize_alone_and_span_their_tokens(layout):
+    passage = passage_text(PromptPassage("Eiffel Tower", PASSAGES[0].text))
+    text = f"<|im_start|>user\nDocuments:\n\n{mark_chunk(passage)}Question: {QUESTION}"
+    ids, chunks = tokenize_marked(text, layout.encode, prefix_ids=[7])
+    (start, end), = chunks
+    assert ids[0] == 7  # the tokenizer's leading specials come first, outside every chunk
+    assert ids[start:end] == layout.encode(passage)  # the same tokens wherever the passage lands
+    assert ids[end:] == layout.encode(f"Question: {QUESTION}")
+
+
+def test_marked_generate_payloads(layout):
+    single = {"text": "x" + mark_chunk("some passage"), "sampling_params": {"max_new_tokens": 1}}
+    rewritten = link_marked_payload(single, layout.encode, [], "naive")
+    assert "text" not in rewritten and rewritten["sampling_params"] == {"max_new_tokens": 1}
+    link = parse_link_request(rewritten["kv_hints"])
+    assert link.policy == "naive" and link.chunks == ((1, 1 + len(layout.encode("some passage"))),)
+    batch = {"text": [mark_chunk("p") + "q A", "plain"]}
+    assert link_marked_payload(batch, layout.encode, [], "naive") == {"text": ["pq A", "plain"]}
+    assert link_marked_payload({"text": "no markers"}, layout.encode, [], "naive") is None
+
+
+# --- context window --------------------------------------------------------------------------
+
+def test_fit_keeps_everything_that_fits(layout):
+    fixed, each = sizes(layout)
+    fitted = fit_passages(layout, QUESTION, PASSAGES, fixed + sum(each))
+    assert fitted.kept == PASSAGES and fitted.dropped == []
+
+
+def test_fit_drops_lowest_scored_whole_passages_and_keeps_order(layout):
+    fixed, each = sizes(layout)
+    # One token short of all three: the lowest-scored (Big Ben, 0.2) goes, nothing is cut.
+    fitted = fit_passages(layout, QUESTION, PASSAGES, fixed + sum(each) - 1)
+    assert [p.id for p in fitted.kept] == ["a", "c"] and [p.id for p in fitted.dropped] == ["b"]
+    # Room for exactly the best one.
+    fitted = fit_passages(layout, QUESTION, PASSAGES, fixed + each[0])
+    assert [p.id for p in fitted.kept] == ["a"] and [p.id for p in fitted.dropped] == ["b", "c"]
+
+
+def test_fit_without_scores_drops_the_last_given(layout):
+    fixed, each = sizes(layout)
+    unscored = [ScoredPassage(p.id, p.title, p.text) for p in PASSAGES]
+    fitted = fit_passages(layout, QUESTION, unscored, fixed + each[0] + each[1])
+    assert [p.id for p in fitted.kept] == ["a", "b"]
+
+
+def test_question_alone_too_long(layout):
+    fixed, _ = sizes(layout)
+    with pytest.raises(PromptTooLong, match=f"needs {fixed} prompt tokens"):
+        fit_passages(layout, QUESTION, PASSAGES, fixed - 1)
+
+
+def test_keep_best_by_score_then_given_order():
+    assert [p.id for p in keep_best(PASSAGES, 2)] == ["a", "c"]
+    unscored = [ScoredPassage(p.id, p.title, p.text) for p in PASSAGES]
+    assert [p.id for p in keep_best(unscored, 2)] == ["a", "b"]
+
+
+def test_context_limits_reserve_the_answer():
+    limits = ContextLimits(context_length=8192, max_input_tokens=8186)
+    assert limits.prompt_budget(16) == 8176
+    assert limits.prompt_budget(2) == 8186
+
+
+# --- planning --------------------------------------------------------------------------------
+
+def test_plan_reports_dropped_passages_and_builds_the_prompt_from_the_rest(tokenizer, layout):
+    fixed, each = sizes(layout)
+    max_tokens = 16
+    limits = ContextLimits(context_length=fixed + each[0] + each[2] + max_tokens, max_input_tokens=10_000)
+    service = RagService(tokenizer, generator=None, limits=limits)
+    plan = asyncio.run(service.plan(RagRequest(QUESTION, "naive", max_tokens, documents=PASSAGES)))
+    assert [p.id for p in plan.passages] == ["a", "c"] and [p.id for p in plan.dropped] == ["b"]
+    assert plan.warnings and "dropped 1 of 3 passages" in plan.warnings[0]
+    expected = layout.build(QUESTION, [PASSAGES[0].prompt_passage(), PASSAGES[2].prompt_passage()])
+    assert plan.prompt.input_ids == expected.input_ids and plan.prompt.chunks == expected.chunks
+    assert len(plan.prompt.input_ids) + max_tokens == limits.context_length
+
+
+def test_plan_with_top_k_and_without_index(tokenizer):
+    service = RagService(tokenizer, generator=None, limits=ContextLimits(8192, 8186))
+    plan = asyncio.run(service.plan(RagRequest(QUESTION, "full", 8, documents=PASSAGES, top_k=1)))
+    assert [p.id for p in plan.passages] == ["a"]
+    with pytest.raises(RagRequestError, match="no passage index is loaded"):
+        asyncio.run(service.plan(RagRequest(QUESTION, "naive", 8)))
+
+
+def test_history_goes_into_the_head_and_leaves_chunks_alone(tokenizer, layout):
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    chat = PromptLayout(tokenizer, history=history)
+    text = tokenizer.decode(chat.head_ids)
+    assert "Hi<|im_end|>" in text and "Hello!<|im_end|>" in text and text.endswith("Documents:\n\n")
+    passage = PASSAGES[0].prompt_passage()
+    assert chat.passage_ids(passage) == layout.passage_ids(passage)
+
+
+# --- batch QA input, CLI ---------------------------------------------------------------------
+
+def test_read_questions_and_answers(tmp_path):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"id": 1, "question": "A?", "answers": ["a"]}\n\n{"id": "2", "question": "B?"}\n')
+    assert read_questions(questions) == [Question("1", "A?", ["a"]), Question("2", "B?")]
+    assert [q.id for q in read_questions(questions, limit=1)] == ["1"]
+    questions.write_text('{"id": 1, "question": "A?"}\n{"id": 1, "question": "B?"}\n')
+    with pytest.raises(BatchError, match="appears twice"):
+        read_questions(questions)
+    answers = tmp_path / "a.jsonl"
+    answers.write_text(json.dumps({"id": "1", "answer": "x"}) + '\n{"id": "2", "ans')  # cut short
+    assert list(read_answers(answers)) == ["1"]
+
+
+def test_inline_passage_selection():
+    passages = [{"title": f"t{i}", "text": f"p{i}", "is_supporting": i in (1, 3)} for i in range(5)]
+    question = Question("1", "Q?", passages=passages)
+    asker = Asker(AskOptions(url="http://unused", max_passages=2))
+    assert [d["text"] for d in asker.documents(question)] == ["p0", "p1"]
+    asker = Asker(AskOptions(url="http://unused", supporting_only=True))
+    assert [d["text"] for d in asker.documents(question)] == ["p1", "p3"]
+    asker = Asker(AskOptions(url="http://unused", server_index=True))
+    assert asker.documents(question) is None
+
+
+def test_cli_serve_and_ask_options():
+    args = build_parser().parse_args(["serve", "--index", "idx", "--default-policy", "full"])
+    assert str(args.index) == "idx" and args.default_policy == "full"
+    args = build_parser().parse_args(["ask", "--questions", "q.jsonl", "--out", "a.jsonl", "--limit", "5"])
+    assert args.url == "http://127.0.0.1:8000" and args.limit == 5 and args.policy is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["ask", "--questions", "q", "--out", "a", "--policy", "bogus"])
