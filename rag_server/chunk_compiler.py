@@ -45,33 +45,52 @@ class ChunkCompiler:
         self.client = client
         self._inflight: dict[str, asyncio.Future] = {}
 
-    async def compile(self, token_ids: list[int]) -> bool:
-        """Make sure the chunk is stored; True if it had to be computed."""
-        key = _chunk_key(token_ids)
-        pending = self._inflight.get(key)
-        if pending is None:
-            pending = asyncio.ensure_future(self._send(token_ids))
-            self._inflight[key] = pending
-            pending.add_done_callback(lambda _: self._inflight.pop(key, None))
-        return await asyncio.shield(pending)
+    async def compile_many(self, segments: list[list[int]]) -> list[bool]:
+        """Make sure every segment is stored; True for each that had to be computed.
 
-    async def _send(self, token_ids: list[int]) -> bool:
+        Segments not already being compiled go to the runtime as one batched request, so a
+        prompt's twenty compiles cost one scheduler step, not twenty round trips."""
+        keys = [_chunk_key(s) for s in segments]
+        mine: dict[str, list[int]] = {}
+        for key, segment in zip(keys, segments):
+            if key not in self._inflight and key not in mine:
+                mine[key] = segment
+        if mine:
+            batch = asyncio.ensure_future(self._send(list(mine.values())))
+            for index, key in enumerate(mine):
+                future = asyncio.ensure_future(self._pick(batch, index))
+                self._inflight[key] = future
+                future.add_done_callback(lambda _, key=key: self._inflight.pop(key, None))
+        pending = [self._inflight.get(key) for key in keys]
+        results = await asyncio.gather(*(asyncio.shield(f) for f in pending))
+        return list(results)
+
+    @staticmethod
+    async def _pick(batch: asyncio.Future, index: int) -> bool:
+        return (await batch)[index]
+
+    async def _send(self, segments: list[list[int]]) -> list[bool]:
         response = await self.client.post(
             "/generate",
             json={
-                "input_ids": token_ids,
+                "input_ids": segments,
                 "sampling_params": {"max_new_tokens": 0, "temperature": 0},
                 "kv_hints": compile_hints(),
             },
         )
         if response.status_code != 200:
             raise CompileError(f"chunk compile failed ({response.status_code}): {response.text[:300]}")
-        details = response.json()["meta_info"].get("cached_tokens_details") or {}
-        return bool(details.get("picrag_chunk_misses", 1))
+        outputs = response.json()
+        return [
+            bool((out["meta_info"].get("cached_tokens_details") or {}).get("picrag_chunk_misses", 1))
+            for out in outputs
+        ]
 
     async def prepare(self, input_ids: list[int], link: LinkRequest) -> CompileReport:
         segments = segments_to_compile(input_ids, link)
-        computed = await asyncio.gather(*(self.compile(s) for s in segments))
+        if not segments:
+            return CompileReport()
+        computed = await self.compile_many(segments)
         report = CompileReport()
         for was_computed in computed[len(segments) - len(link.chunks):]:
             if was_computed:

@@ -234,17 +234,14 @@ class ChunkRadixCache(RadixCache):
     @torch.no_grad()
     def _copy_shifted(self, src: torch.Tensor, dst: torch.Tensor, grafts: list[_Graft]) -> None:
         pool = self.kv_pool
+        deltas = torch.cat([
+            torch.full((len(g.source_slots),), g.shift, dtype=torch.int64) for g in grafts
+        ])
         for layer_id in range(pool.start_layer, pool.start_layer + pool.layer_num):
             k_buffer = pool.get_key_buffer(layer_id)
             v_buffer = pool.get_value_buffer(layer_id)
             v_buffer[dst] = v_buffer[src]
-            keys = k_buffer[src]
-            offset = 0
-            for graft in grafts:
-                n = len(graft.source_slots)
-                keys[offset : offset + n] = self.shifter.shift(keys[offset : offset + n], graft.shift)
-                offset += n
-            k_buffer[dst] = keys
+            k_buffer[dst] = self.shifter.shift_each(k_buffer[src], deltas)
 
     # ---- accounting ------------------------------------------------------------------
 

@@ -58,12 +58,17 @@ class KeyShifter:
         """keys [n, heads, head_dim] computed at positions p -> the same keys at p + delta."""
         if delta == 0:
             return keys
-        if not 0 < delta < self.max_position:
-            raise RopeShiftError(f"shift {delta} outside the model's {self.max_position} positions")
+        return self.shift_each(keys, torch.full((keys.shape[0],), delta, dtype=torch.int64))
+
+    def shift_each(self, keys: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+        """Like `shift`, with its own delta per token (deltas [n]): one pass for many chunks."""
+        if deltas.numel() and not (0 <= int(deltas.min()) and int(deltas.max()) < self.max_position):
+            raise RopeShiftError(f"shifts outside the model's {self.max_position} positions")
         half = self.rotary_dim // 2
-        row = self.cos_sin_cache[delta].to(torch.promote_types(keys.dtype, torch.float32))
-        cos, sin = row[:half], row[half : self.rotary_dim]
-        k = keys.to(row.dtype)
+        rows = self.cos_sin_cache.index_select(0, deltas.to(self.cos_sin_cache.device))
+        rows = rows.to(torch.promote_types(keys.dtype, torch.float32)).unsqueeze(1)  # [n, 1, rot]
+        cos, sin = rows[..., :half], rows[..., half : self.rotary_dim]
+        k = keys.to(rows.dtype)
         rot, rest = k[..., : self.rotary_dim], k[..., self.rotary_dim :]
         if self.is_neox_style:
             x1, x2 = rot[..., :half], rot[..., half:]
