@@ -16,6 +16,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -38,8 +39,8 @@ def prompt_ids(tokenizer, n_tokens: int) -> list[int]:
     return ids[:n_tokens]
 
 
-def start_server(port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "rag_server.cli", "--log-level", "warning", "serve", "--port", str(port)]
+def start_server(port: int, serve_args: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "rag_server.cli", "--log-level", "warning", "serve", "--port", str(port), *serve_args]
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(600):
         try:
@@ -91,6 +92,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--serve-args", default="", help="extra `picrag serve` arguments")
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -102,7 +104,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = prompt_ids(tokenizer, args.prompt_tokens)
 
-    server = None if args.url else start_server(args.port)
+    server = None if args.url else start_server(args.port, shlex.split(args.serve_args))
     url = args.url or f"http://127.0.0.1:{args.port}"
     results: dict[str, list[tuple[float, float]]] = {"picrag serve (SGLang)": [], "transformers": []}
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -35,6 +36,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_total_tokens=args.max_total_tokens,
             context_length=args.context_length,
             log_level=args.runtime_log_level,
+            extra_args=shlex.split(args.runtime_args),
         ),
         log_file=args.runtime_log,
     )
@@ -126,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--runtime-log", type=Path, default=None,
                        help="write the runtime's output to this file instead of the terminal")
     serve.add_argument("--runtime-log-level", default="warning")
+    serve.add_argument("--runtime-args", default="",
+                       help="extra arguments for SGLang's launch_server, e.g. \"--disable-overlap-schedule\"")
     serve.add_argument("--start-timeout", type=float, default=600.0)
     serve.add_argument("--index", type=Path, default=None, metavar="DIR",
                        help="passage index (`picrag index build`) that /rag/query retrieves from")

@@ -4,7 +4,9 @@
 sequence and runs causal SDPA over all of it, so an extend costs O(seq_len^2) however much of
 the prefix is cached (measured: a prompt with everything but the question cached still took
 40% of a cold prefill). Here each request's extend queries attend to the row's gathered K/V
-with a causal mask offset by the prefix length: O(extend_len * seq_len). Decode is inherited.
+with a causal mask offset by the prefix length: O(extend_len * seq_len). Both extend and decode
+gather a request's K/V with index_select, about 3x faster than tensor indexing on CPU (the
+gather was a fifth of vanilla's decode step).
 
 On CUDA picrag uses FlashInfer, whose paged prefill already computes only the extend rows.
 """
@@ -31,6 +33,15 @@ def offset_causal_mask(
     if sliding_window is not None and sliding_window > -1:
         mask &= k_pos >= q_pos - sliding_window
     return mask
+
+
+def gather_row(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype):
+    """A request's K and V as [heads, tokens, dim]; index_select is ~3x faster than indexing."""
+    key = k_cache.index_select(0, slots).movedim(0, 1)
+    value = v_cache.index_select(0, slots).movedim(0, 1)
+    if key.dtype != dtype:
+        key, value = key.to(dtype), value.to(dtype)
+    return key, value
 
 
 class QueryOnlyTorchNativeBackend(TorchNativeAttnBackend):
@@ -66,11 +77,8 @@ class QueryOnlyTorchNativeBackend(TorchNativeAttnBackend):
             kv_len = int(seq_lens[seq_idx])
             end_q = start_q + q_len
             slots = req_to_token[req_pool_indices[seq_idx], :kv_len]
-            key = k_cache[slots].movedim(0, 1)
-            value = v_cache[slots].movedim(0, 1)
             per_req_query = query[:, start_q:end_q, :]
-            if key.dtype != per_req_query.dtype:
-                key, value = key.to(per_req_query.dtype), value.to(per_req_query.dtype)
+            key, value = gather_row(k_cache, v_cache, slots, per_req_query.dtype)
             if q_len == kv_len and (sliding_window_size is None or sliding_window_size < 0):
                 mask, is_causal = None, True
             else:
@@ -82,6 +90,40 @@ class QueryOnlyTorchNativeBackend(TorchNativeAttnBackend):
             )
             output[start_q:end_q] = out.squeeze(0).movedim(0, 1)
             start_q = end_q
+        return output
+
+
+    def _run_sdpa_forward_decode(
+        self,
+        query: torch.Tensor,
+        output: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        encoder_lens: Optional[torch.Tensor] = None,
+        scaling=None,
+        enable_gqa=False,
+        causal=False,
+        is_cross_attn=False,
+        sliding_window_size: Optional[int] = None,
+    ):
+        if encoder_lens is not None or (sliding_window_size is not None and sliding_window_size > -1):
+            return super()._run_sdpa_forward_decode(
+                query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                encoder_lens, scaling, enable_gqa, causal, is_cross_attn, sliding_window_size,
+            )
+        query = query.movedim(0, 1)
+        for seq_idx in range(seq_lens.shape[0]):
+            slots = req_to_token[req_pool_indices[seq_idx], : int(seq_lens[seq_idx])]
+            per_req_query = query[:, seq_idx : seq_idx + 1, :]
+            key, value = gather_row(k_cache, v_cache, slots, per_req_query.dtype)
+            out = scaled_dot_product_attention(
+                per_req_query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0),
+                scale=scaling, enable_gqa=enable_gqa,
+            )
+            output[seq_idx : seq_idx + 1] = out.squeeze(0).movedim(0, 1)
         return output
 
 

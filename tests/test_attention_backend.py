@@ -57,3 +57,30 @@ def test_query_only_extend_with_sliding_window_equals_torch_native():
 def test_offset_causal_mask_places_queries_at_the_end():
     mask = offset_causal_mask(q_len=2, kv_len=5, device=torch.device("cpu"))
     assert mask.tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
+
+
+def run_decode(backend_cls, seq_lens, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    heads, kv_heads, dim, pool = 6, 2, 16, 256
+    k_cache = torch.randn(pool, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(pool, kv_heads, dim, generator=gen)
+    req_to_token = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int32)
+    slots = torch.randperm(pool, generator=gen)
+    taken = 0
+    for row, n in enumerate(seq_lens):
+        req_to_token[row, :n] = slots[taken : taken + n]
+        taken += n
+    query = torch.randn(len(seq_lens), heads, dim, generator=gen)
+    output = torch.zeros_like(query)
+    backend = object.__new__(backend_cls)
+    backend._run_sdpa_forward_decode(
+        query, output, k_cache, v_cache, req_to_token, torch.arange(len(seq_lens)),
+        torch.tensor(seq_lens), scaling=dim ** -0.5, enable_gqa=True,
+    )
+    return output
+
+
+def test_decode_equals_torch_native():
+    expected = run_decode(TorchNativeAttnBackend, [1, 17, 90])
+    got = run_decode(QueryOnlyTorchNativeBackend, [1, 17, 90])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
