@@ -21,33 +21,17 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
 from rag_server.prompt_layout import PromptLayout, PromptPassage
+from rag_server.serve_process import start_picrag_serve
 from sglang_patches.link_hints import link_hints
 
 REPO = Path(__file__).resolve().parents[1]
 QA = REPO.parent / "shared" / "data" / "qa" / "musique.dev.jsonl"
-
-
-def start_server(port: int, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "rag_server.cli", "--log-level", "warning", "serve",
-           "--port", str(port), "--runtime-log", str(log)]
-    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(600):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    process.kill()
-    raise SystemExit("server did not become healthy")
 
 
 def timed(client: httpx.Client, input_ids: list[int], policy: str | None, chunks=()) -> tuple[float, dict]:
@@ -77,7 +61,7 @@ def main() -> None:
     rows = [json.loads(line) for line in QA.read_text().splitlines()][: args.rows]
     rng = random.Random(args.seed)
 
-    server = None if args.url else start_server(args.port, Path("/tmp/picrag-bench-runtime.log"))
+    server = None if args.url else start_picrag_serve(args.port, [], Path("/tmp/picrag-bench-ttft.log"))
     url = args.url or f"http://127.0.0.1:{args.port}"
     times: dict[str, list[float]] = {"full": [], "prefix": [], "naive": []}
     tokens: dict[str, list[int]] = {"full": [], "prefix": [], "naive": []}

@@ -18,13 +18,13 @@ import argparse
 import json
 import shlex
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import torch
+
+from rag_server.serve_process import start_picrag_serve
 
 REPO = Path(__file__).resolve().parents[1]
 QA = REPO.parent / "shared" / "data" / "qa" / "musique.dev.jsonl"
@@ -37,20 +37,6 @@ def prompt_ids(tokenizer, n_tokens: int) -> list[int]:
     if len(ids) < n_tokens:
         raise SystemExit(f"sample text has only {len(ids)} tokens")
     return ids[:n_tokens]
-
-
-def start_server(port: int, serve_args: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "rag_server.cli", "--log-level", "warning", "serve", "--port", str(port), *serve_args]
-    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(600):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    process.kill()
-    raise SystemExit("server did not become healthy")
 
 
 def served_run(client: httpx.Client, ids: list[int], new_tokens: int) -> tuple[float, float]:
@@ -104,7 +90,9 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = prompt_ids(tokenizer, args.prompt_tokens)
 
-    server = None if args.url else start_server(args.port, shlex.split(args.serve_args))
+    server = None if args.url else start_picrag_serve(
+        args.port, shlex.split(args.serve_args), Path("/tmp/picrag-bench-serving.log")
+    )
     url = args.url or f"http://127.0.0.1:{args.port}"
     results: dict[str, list[tuple[float, float]]] = {"picrag serve (SGLang)": [], "transformers": []}
     try:

@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sglang_patches.link_hints import CHUNK_POLICIES, LinkHintError, LinkRequest, parse_link_request
@@ -209,7 +209,7 @@ class ChunkRadixCache(RadixCache):
         try:
             allocator = self.token_to_kv_pool_allocator
             if allocator.available_size() < needed:
-                self.evict_for_graft(needed - allocator.available_size())
+                self.evict(EvictParams(num_tokens=needed - allocator.available_size()))
             new_slots = allocator.alloc(needed)
             if new_slots is None:
                 logger.warning(
@@ -225,11 +225,6 @@ class ChunkRadixCache(RadixCache):
         finally:
             for lock in locks:
                 self.unlock(lock)
-
-    def evict_for_graft(self, num_tokens: int) -> None:
-        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-        self.evict(EvictParams(num_tokens=num_tokens))
 
     @torch.no_grad()
     def _copy_shifted(self, src: torch.Tensor, dst: torch.Tensor, grafts: list[_Graft]) -> None:

@@ -10,8 +10,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -53,27 +51,14 @@ class ServerHandle:
 
 
 def start_picrag_server(log: Path, extra_args: list[str]) -> ServerHandle:
+    from rag_server.serve_process import ServeStartError, start_picrag_serve
+
     port = _free_port()
-    cmd = [
-        sys.executable, "-m", "rag_server.cli", "serve",
-        "--port", str(port), "--runtime-log", str(log), *extra_args,
-    ]
-    with open(log, "ab") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"picrag serve exited with {process.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return ServerHandle(url, process, log)
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"picrag serve not healthy after 600 s:\n{log.read_text()[-4000:]}")
-        time.sleep(1)
+    try:
+        process = start_picrag_serve(port, extra_args, log)
+    except ServeStartError as exc:
+        pytest.fail(str(exc))
+    return ServerHandle(f"http://127.0.0.1:{port}", process, log)
 
 
 def stop_picrag_server(handle: ServerHandle) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import start_picrag_server, stop_picrag_server
-from tests.test_chunk_cache import counters, generate, layout, musique, passages_of, picrag_meta
+from tests.chunk_requests import counters, generate, layout, musique, passages_of, picrag_meta
 
 pytestmark = pytest.mark.server
 
-__all__ = ["layout", "musique"]  # module fixtures shared with test_chunk_cache
+__all__ = ["layout", "musique"]  # fixtures, used by name
 
 POOL_TOKENS = 1536
 

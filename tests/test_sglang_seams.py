@@ -1,0 +1,44 @@
+"""The SGLang seams picrag relies on still look the way sglang_patches expects (sglang==0.5.23)."""
+
+import importlib
+import inspect
+import os
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+import sglang
+
+from sglang_patches import meta_info, plugin
+
+
+def resolve(dotted: str):
+    module_name, class_name, attr = dotted.rsplit(".", 2)
+    return getattr(getattr(importlib.import_module(module_name), class_name), attr)
+
+
+def test_pinned_sglang_version():
+    assert sglang.__version__ == plugin.SUPPORTED_SGLANG
+
+
+def test_hooked_method_signature():
+    target = resolve(meta_info.HOOK_TARGET)
+    assert list(inspect.signature(target).parameters) == ["self", "req"]
+
+
+def test_tree_cache_methods_the_chunk_cache_overrides_or_calls():
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    assert list(inspect.signature(RadixCache.match_prefix).parameters) == ["self", "params"]
+    assert list(inspect.signature(RadixCache._match_prefix_helper).parameters) == ["self", "node", "key"]
+    assert list(inspect.signature(RadixCache.on_release).parameters) == ["self", "req", "checkpointed"]
+    assert "req" in inspect.signature(RadixCache.checkpoint).parameters
+
+
+def test_plugin_registers_cache_and_attention_backends():
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory
+
+    plugin.register()
+    assert get_radix_cache_factory(plugin.RADIX_CACHE_BACKEND) is not None
+    assert "picrag_native" in ATTENTION_BACKENDS and "picrag_native" in ATTENTION_BACKEND_CHOICES
