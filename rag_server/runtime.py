@@ -65,6 +65,7 @@ class RuntimeConfig:
     context_length: int | None = None
     threads: int | None = None
     log_level: str = "warning"
+    chunk_store: Path | None = None
     extra_args: list[str] = field(default_factory=list)
 
     def resolved(self) -> RuntimeConfig:
@@ -87,6 +88,7 @@ class RuntimeConfig:
             context_length=self.context_length,
             threads=self.threads or (None if on_cuda else (os.cpu_count() or 1)),
             log_level=self.log_level,
+            chunk_store=self.chunk_store,
             extra_args=list(self.extra_args),
         )
 
@@ -118,6 +120,9 @@ class RuntimeConfig:
         if self.device == "cpu":
             # Without it SGLang imports vLLM's rotary kernel on CPU and dies.
             env["SGLANG_USE_CPU_ENGINE"] = "1"
+        if self.chunk_store is not None:
+            # Read by sglang_patches in the scheduler process (disk_chunk_store.STORE_DIR_ENV).
+            env["PICRAG_CHUNK_STORE_DIR"] = str(self.chunk_store)
         return env
 
     @property
@@ -145,9 +150,9 @@ class SGLangRuntime:
         c = self.config
         logger.info(
             "Starting SGLang runtime: model=%s device=%s dtype=%s attention=%s radix-cache=%s "
-            "max-total-tokens=%s url=%s",
+            "max-total-tokens=%s chunk-store=%s url=%s",
             c.model_path, c.device, c.dtype, c.attention_backend,
-            c.radix_cache_backend or "sglang-default", c.max_total_tokens, c.url,
+            c.radix_cache_backend or "sglang-default", c.max_total_tokens, c.chunk_store or "off", c.url,
         )
         stdout = open(self.log_file, "ab") if self.log_file else None
         self.process = subprocess.Popen(

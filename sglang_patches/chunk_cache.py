@@ -31,6 +31,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
+from sglang_patches.disk_chunk_store import CorruptChunkFile, DiskChunkStore
 from sglang_patches.link_hints import CHUNK_POLICIES, LinkHintError, LinkRequest, parse_link_request
 from sglang_patches.rope_shift import KeyShifter
 
@@ -72,7 +73,6 @@ class LinkStats:
 
 @dataclass
 class _Graft:
-    source_node: TreeNode
     source_slots: torch.Tensor
     shift: int
 
@@ -88,13 +88,21 @@ class CacheCounters:
 
 
 class ChunkRadixCache(RadixCache):
-    def __init__(self, params, kv_pool, shifter: KeyShifter, counters: Optional[CacheCounters] = None):
+    def __init__(
+        self,
+        params,
+        kv_pool,
+        shifter: KeyShifter,
+        counters: Optional[CacheCounters] = None,
+        disk_store: Optional[DiskChunkStore] = None,
+    ):
         if params.page_size != 1:
             raise ValueError(f"picrag's chunk cache needs page_size 1, got {params.page_size}")
         super().__init__(params)
         self.kv_pool = kv_pool
         self.shifter = shifter
         self.counters = counters or CacheCounters()
+        self.disk_store = disk_store
 
     # ---- request routing -------------------------------------------------------------
 
@@ -135,6 +143,10 @@ class ChunkRadixCache(RadixCache):
             key = params.key
             if key.extra_key != req.extra_key:
                 key = RadixKey(key.token_ids, req.extra_key, limit=key.limit, cache_salt=key.cache_salt)
+            if link.compile and self.disk_store is not None and not self.disable:
+                found = self.lookup_chunk(req.origin_input_ids)
+                if found is not None:
+                    self.unlock(found[2])
             if link.policy in CHUNK_POLICIES and link.chunks and not self.disable:
                 self._graft_chunks(key, link, stats)
             result = super().match_prefix(MatchPrefixParams(key=key, cow_mamba=params.cow_mamba, req=req))
@@ -149,13 +161,78 @@ class ChunkRadixCache(RadixCache):
 
     # ---- grafting --------------------------------------------------------------------
 
-    def lookup_chunk(self, token_ids) -> Optional[tuple[TreeNode, torch.Tensor]]:
-        """The node and slots of a compiled chunk, or None when it is not (fully) cached."""
+    def _find_chunk(self, token_ids) -> Optional[tuple[TreeNode, torch.Tensor]]:
         key = RadixKey(array("q", token_ids), CHUNK_NAMESPACE)
         values, node = self._match_prefix_helper(self.root_node, key)
         if sum(len(v) for v in values) != len(key):
             return None
         return node, torch.cat(values)
+
+    def lookup_chunk(self, token_ids):
+        """(node, slots, lock) of a compiled chunk, reloaded from disk if needed; None if absent.
+
+        The node comes back locked so that later allocations (another reload, a graft) cannot
+        evict it before its KV is used; the caller unlocks."""
+        found = self._find_chunk(token_ids)
+        if found is None and self.disk_store is not None:
+            found = self._load_from_disk(token_ids)
+        if found is None:
+            return None
+        node, slots = found
+        return node, slots, self.lock(node)
+
+    def _allocate(self, needed: int) -> Optional[torch.Tensor]:
+        allocator = self.token_to_kv_pool_allocator
+        if allocator.available_size() < needed:
+            self.evict(EvictParams(num_tokens=needed - allocator.available_size()))
+        slots = allocator.alloc(needed)
+        return None if slots is None else slots.to(torch.int64)
+
+    @torch.no_grad()
+    def _load_from_disk(self, token_ids) -> Optional[tuple[TreeNode, torch.Tensor]]:
+        try:
+            loaded = self.disk_store.load(token_ids)
+        except CorruptChunkFile as exc:
+            logger.warning("ignoring persisted chunk: %s", exc)
+            self.counters.add("disk_rejects")
+            return None
+        if loaded is None:
+            return None
+        keys, values = loaded
+        pool = self.kv_pool
+        if keys.shape[0] != pool.layer_num:
+            logger.warning("ignoring persisted chunk with %d layers (model has %d)", keys.shape[0], pool.layer_num)
+            self.counters.add("disk_rejects")
+            return None
+        slots = self._allocate(len(token_ids))
+        if slots is None:
+            return None
+        for index, layer_id in enumerate(range(pool.start_layer, pool.start_layer + pool.layer_num)):
+            pool.get_key_buffer(layer_id)[slots] = keys[index].to(pool.get_key_buffer(layer_id).device)
+            pool.get_value_buffer(layer_id)[slots] = values[index].to(pool.get_value_buffer(layer_id).device)
+        key = RadixKey(array("q", token_ids), CHUNK_NAMESPACE)
+        inserted = self.insert(InsertParams(key=key, value=slots))
+        # A prefix shared with another cached chunk was already in the tree: its copy is spare.
+        self.token_to_kv_pool_allocator.free(slots[: inserted.prefix_len])
+        self.counters.add("disk_loads")
+        return self._find_chunk(token_ids)
+
+    @torch.no_grad()
+    def _save_to_disk(self, token_ids) -> None:
+        found = self._find_chunk(token_ids)
+        if found is None:
+            return
+        _, slots = found
+        pool = self.kv_pool
+        layers = range(pool.start_layer, pool.start_layer + pool.layer_num)
+        keys = torch.stack([pool.get_key_buffer(layer)[slots] for layer in layers])
+        values = torch.stack([pool.get_value_buffer(layer)[slots] for layer in layers])
+        try:
+            self.disk_store.save(token_ids, keys, values)
+        except OSError as exc:
+            logger.warning("could not persist chunk: %s", exc)
+            return
+        self.counters.add("disk_saves")
 
     def _graft_chunks(self, key: RadixKey, link: LinkRequest, stats: LinkStats) -> None:
         values, prefix_node = self._match_prefix_helper(self.root_node, key)
@@ -170,30 +247,34 @@ class ChunkRadixCache(RadixCache):
             (start, end, True) for start, end in link.chunks
         ]
         grafts: list[_Graft] = []
+        locks = [self.lock(prefix_node)]
         position = matched
         stats.chunk_hits = 0
-        for start, end, is_chunk in segments:
-            if end <= matched:
-                stats.chunk_hits += is_chunk  # already on this prompt's path in the tree
-                continue
-            if start > position or position >= limit:
-                break  # ordinary tokens before this segment still need computing
-            found = self.lookup_chunk(tokens[start:end])
-            if found is None:
-                break
-            node, slots = found
-            take_end = min(end, limit)
-            grafts.append(_Graft(node, slots[position - start : take_end - start], shift=start))
-            stats.chunk_hits += is_chunk
-            position = take_end
-        stats.chunk_misses = len(link.chunks) - stats.chunk_hits
-        if not grafts:
-            return
-        new_slots = self._materialize(prefix_node, grafts)
+        try:
+            for start, end, is_chunk in segments:
+                if end <= matched:
+                    stats.chunk_hits += is_chunk  # already on this prompt's path in the tree
+                    continue
+                if start > position or position >= limit:
+                    break  # ordinary tokens before this segment still need computing
+                found = self.lookup_chunk(tokens[start:end])
+                if found is None:
+                    break
+                _, slots, lock = found
+                locks.append(lock)
+                take_end = min(end, limit)
+                grafts.append(_Graft(slots[position - start : take_end - start], shift=start))
+                stats.chunk_hits += is_chunk
+                position = take_end
+            new_slots = self._materialize(grafts) if grafts else None
+        finally:
+            for lock in locks:
+                self.unlock(lock)
         if new_slots is None:
             stats.chunk_hits = sum(1 for _, end in link.chunks if end <= matched)
             stats.chunk_misses = len(link.chunks) - stats.chunk_hits
             return
+        stats.chunk_misses = len(link.chunks) - stats.chunk_hits
         path_slots = torch.cat(values) if values else self._empty_device_indices
         inserted = self.insert(
             InsertParams(key=key[:position], value=torch.cat((path_slots, new_slots)))
@@ -202,29 +283,22 @@ class ChunkRadixCache(RadixCache):
         stats.grafted_tokens = len(new_slots)
         self.counters.add("grafted_tokens", len(new_slots))
 
-    def _materialize(self, prefix_node: TreeNode, grafts: list[_Graft]) -> Optional[torch.Tensor]:
-        """Fresh slots holding the grafts' KV shifted to their offsets; None if the pool is full."""
+    def _materialize(self, grafts: list[_Graft]) -> Optional[torch.Tensor]:
+        """Fresh slots holding the grafts' KV shifted to their offsets; None if the pool is full.
+        The caller holds locks on the grafts' sources and the prompt's matched prefix."""
         needed = sum(len(g.source_slots) for g in grafts)
-        locks = [self.lock(prefix_node)] + [self.lock(g.source_node) for g in grafts]
-        try:
+        new_slots = self._allocate(needed)
+        if new_slots is None:
             allocator = self.token_to_kv_pool_allocator
-            if allocator.available_size() < needed:
-                self.evict(EvictParams(num_tokens=needed - allocator.available_size()))
-            new_slots = allocator.alloc(needed)
-            if new_slots is None:
-                logger.warning(
-                    "chunk graft of %d tokens skipped: KV pool full (free %d, evictable %d, locked %d)",
-                    needed, allocator.available_size(), self.evictable_size(), self.protected_size(),
-                )
-                self.counters.add("graft_skipped_pool_full")
-                return None
-            new_slots = new_slots.to(torch.int64)
-            src = torch.cat([g.source_slots for g in grafts]).to(torch.int64)
-            self._copy_shifted(src, new_slots, grafts)
-            return new_slots
-        finally:
-            for lock in locks:
-                self.unlock(lock)
+            logger.warning(
+                "chunk graft of %d tokens skipped: KV pool full (free %d, evictable %d, locked %d)",
+                needed, allocator.available_size(), self.evictable_size(), self.protected_size(),
+            )
+            self.counters.add("graft_skipped_pool_full")
+            return None
+        src = torch.cat([g.source_slots for g in grafts]).to(torch.int64)
+        self._copy_shifted(src, new_slots, grafts)
+        return new_slots
 
     @torch.no_grad()
     def _copy_shifted(self, src: torch.Tensor, dst: torch.Tensor, grafts: list[_Graft]) -> None:
@@ -245,6 +319,8 @@ class ChunkRadixCache(RadixCache):
         stats: Optional[LinkStats] = getattr(req, STATS_ATTR, None)
         if stats is None:
             return
+        if stats.policy == "compile" and stats.chunk_misses and checkpointed and self.disk_store is not None:
+            self._save_to_disk(req.origin_input_ids)
         prefix = "compile_" if stats.policy == "compile" else ""
         self.counters.add(f"{prefix}requests")
         self.counters.add(f"{prefix}chunk_hits", stats.chunk_hits)

@@ -17,6 +17,21 @@ RADIX_CACHE_BACKEND = "pic"
 SUPPORTED_SGLANG = "0.5.23"
 
 
+def _disk_store(ctx, kv_pool):
+    import os
+    from pathlib import Path
+
+    from sglang_patches.disk_chunk_store import STORE_DIR_ENV, DiskChunkStore, model_fingerprint
+
+    root = os.environ.get(STORE_DIR_ENV)
+    if not root:
+        return None
+    fingerprint = model_fingerprint(Path(ctx.server_args.model_path), kv_pool.dtype)
+    store = DiskChunkStore(Path(root), fingerprint)
+    logger.info("picrag chunk store on disk: %s", store.directory)
+    return store
+
+
 def _chunk_cache_factory(ctx):
     from sglang_patches.chunk_cache import ChunkRadixCache
     from sglang_patches.metrics import prometheus_counters
@@ -26,7 +41,7 @@ def _chunk_cache_factory(ctx):
     kv_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
     cache = ChunkRadixCache(
         ctx.params, kv_pool=kv_pool, shifter=KeyShifter.from_model(model),
-        counters=prometheus_counters(),
+        counters=prometheus_counters(), disk_store=_disk_store(ctx, kv_pool),
     )
     logger.info("picrag chunk radix cache active (pool of %d tokens)", kv_pool.size)
     return cache
