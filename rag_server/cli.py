@@ -37,6 +37,7 @@ def _serve(args: argparse.Namespace) -> int:
             context_length=args.context_length,
             log_level=args.runtime_log_level,
             extra_args=shlex.split(args.runtime_args),
+            chunk_store=args.chunk_store,
         ),
         log_file=args.runtime_log,
     )
@@ -128,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--runtime-log", type=Path, default=None,
                        help="write the runtime's output to this file instead of the terminal")
     serve.add_argument("--runtime-log-level", default="warning")
+    serve.add_argument("--chunk-store", type=Path, default=None, metavar="DIR",
+                       help="persist compiled chunk KV under DIR and reload it after a restart "
+                       "(keyed by a model fingerprint; corrupt or foreign files are ignored)")
     serve.add_argument("--runtime-args", default="",
                        help="extra arguments for SGLang's launch_server, e.g. \"--disable-overlap-schedule\"")
     serve.add_argument("--start-timeout", type=float, default=600.0)
