@@ -27,7 +27,7 @@ from rag_server.openai_chat import rag_chat_completion
 from rag_server.rag_api import MAX_BODY_BYTES
 from rag_server.rag_api import router as rag_router
 from rag_server.rag_service import DEFAULT_POLICY, RagService
-from sglang_patches.link_hints import POLICIES, LinkHintError, parse_link_request
+from sglang_patches.link_hints import POLICIES, LinkHintError, parse_link_request, runtime_request
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +209,9 @@ def create_app(
             except (CompileError, httpx.HTTPError) as exc:
                 logger.error("chunk compile failed: %s", exc)
                 return JSONResponse({"error": {"message": str(exc), "type": "compile_failed"}}, 503)
+            if link.policy == "legolink":
+                payload["input_ids"], payload["kv_hints"] = runtime_request(input_ids, link)
+                body = json.dumps(payload).encode()
         return await forward(request, body)
 
     @app.post("/v1/chat/completions", include_in_schema=False)

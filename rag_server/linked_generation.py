@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from rag_server.chunk_compiler import ChunkCompiler, CompileError
-from sglang_patches.link_hints import LinkRequest, link_hints
+from sglang_patches.link_hints import LinkRequest, runtime_request
 
 
 class GenerationError(RuntimeError):
@@ -42,7 +42,7 @@ class LinkedGenerator:
     async def compile(self, input_ids: list[int], policy: str, chunks: Sequence[tuple[int, int]]) -> float:
         """Make sure the prompt's chunks are in the chunk store; returns the seconds it took."""
         started = time.perf_counter()
-        link = LinkRequest(policy=policy, chunks=tuple(chunks))
+        link = LinkRequest.of(policy, chunks)
         link.validate(len(input_ids))
         try:
             await self.compiler.prepare(input_ids, link)
@@ -53,11 +53,12 @@ class LinkedGenerator:
     async def stream(
         self, input_ids: list[int], policy: str, chunks: Sequence[tuple[int, int]], sampling: dict[str, Any]
     ) -> AsyncIterator[RuntimeDelta]:
+        runtime_ids, hints = runtime_request(input_ids, LinkRequest.of(policy, chunks))
         body = {
-            "input_ids": input_ids,
+            "input_ids": runtime_ids,
             "sampling_params": sampling,
             "stream": True,
-            "kv_hints": link_hints(policy, list(chunks)),
+            "kv_hints": hints,
         }
         try:
             async for delta in self._stream(body):

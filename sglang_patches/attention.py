@@ -44,7 +44,21 @@ def gather_row(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
     return key, value
 
 
+def true_position_mask(true_positions: torch.Tensor, q_len: int) -> torch.Tensor:
+    """For a reordered prompt: the row's last q_len entries are the queries, and each sees
+    the row entries whose true position is not after its own."""
+    return true_positions.unsqueeze(0) <= true_positions[-q_len:].unsqueeze(1)
+
+
 class QueryOnlyTorchNativeBackend(TorchNativeAttnBackend):
+    _true_positions: dict[int, torch.Tensor] = {}
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        from sglang_patches.positions import TRUE_POSITIONS_ATTR
+
+        self._true_positions = getattr(forward_batch, TRUE_POSITIONS_ATTR, {})
+        return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+
     def _run_sdpa_forward_extend(
         self,
         query: torch.Tensor,
@@ -79,7 +93,10 @@ class QueryOnlyTorchNativeBackend(TorchNativeAttnBackend):
             slots = req_to_token[req_pool_indices[seq_idx], :kv_len]
             per_req_query = query[:, start_q:end_q, :]
             key, value = gather_row(k_cache, v_cache, slots, per_req_query.dtype)
-            if q_len == kv_len and (sliding_window_size is None or sliding_window_size < 0):
+            true_positions = self._true_positions.get(seq_idx)
+            if true_positions is not None:
+                mask, is_causal = true_position_mask(true_positions[:kv_len], q_len), False
+            elif q_len == kv_len and (sliding_window_size is None or sliding_window_size < 0):
                 mask, is_causal = None, True
             else:
                 mask = offset_causal_mask(q_len, kv_len, query.device, sliding_window_size)

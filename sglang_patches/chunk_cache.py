@@ -21,6 +21,7 @@ and stores nothing.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from array import array
 from dataclasses import dataclass, field
@@ -32,7 +33,14 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, Ma
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sglang_patches.disk_chunk_store import CorruptChunkFile, DiskChunkStore
-from sglang_patches.link_hints import CHUNK_POLICIES, LinkHintError, LinkRequest, parse_link_request
+from sglang_patches.legolink_layout import legolink_layout
+from sglang_patches.link_hints import (
+    CHUNK_POLICIES,
+    REORDERED_LAYOUT,
+    LinkHintError,
+    LinkRequest,
+    parse_link_request,
+)
 from sglang_patches.rope_shift import KeyShifter
 
 logger = logging.getLogger(__name__)
@@ -40,10 +48,17 @@ logger = logging.getLogger(__name__)
 CHUNK_NAMESPACE = "picrag:chunk"
 _LINK_ATTR = "picrag_link"
 STATS_ATTR = "picrag_stats"
+# The true position of every token of a reordered (LegoLink) prompt, read by
+# sglang_patches.positions when the forward batch is built.
+POSITIONS_ATTR = "picrag_positions"
 
 
-def namespace_of(policy: str) -> str:
-    return f"picrag:{policy}"
+def namespace_of(link: LinkRequest) -> str:
+    if link.policy != "legolink":
+        return f"picrag:{link.policy}"
+    # A reordered prompt's KV depends on k and on where the chunks were, not only on its tokens.
+    spans = ",".join(f"{s}-{e}" for s, e in link.chunks)
+    return f"picrag:legolink:{link.k}:{hashlib.sha256(spans.encode()).hexdigest()[:16]}"
 
 
 def _with_namespace(namespace: str, extra_key: Optional[str]) -> str:
@@ -75,6 +90,18 @@ class LinkStats:
 class _Graft:
     source_slots: torch.Tensor
     shift: int
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """A span of the prompt as sent that can come from the chunk store."""
+
+    start: int
+    end: int
+    chunk_tokens: list[int]  # the stored chunk it comes from
+    chunk_offset: int  # where in that chunk the span begins
+    shift: int  # true position of the chunk's first token
+    is_chunk: bool  # False for the head (a true prefix, never counted)
 
 
 @dataclass
@@ -115,6 +142,8 @@ class ChunkRadixCache(RadixCache):
             link = parse_link_request(req.kv_hints)
             if link is not None:
                 link.validate(len(req.origin_input_ids))
+                if link.policy == "legolink" and link.chunks and link.layout != REORDERED_LAYOUT:
+                    raise LinkHintError("legolink prompts must arrive reordered (link_hints.runtime_request)")
         except LinkHintError as exc:
             # The frontend validates first; a raw /generate with a bad hint degrades to vanilla
             # rather than taking the scheduler down.
@@ -127,7 +156,10 @@ class ChunkRadixCache(RadixCache):
             elif link.compile:
                 req.extra_key = _with_namespace(CHUNK_NAMESPACE, req.extra_key)
             elif link.policy != "prefix":
-                req.extra_key = _with_namespace(namespace_of(link.policy), req.extra_key)
+                req.extra_key = _with_namespace(namespace_of(link), req.extra_key)
+            if link.layout == REORDERED_LAYOUT:
+                order = legolink_layout(len(req.origin_input_ids), list(link.chunks), link.k).order
+                setattr(req, POSITIONS_ATTR, order)
             setattr(req, STATS_ATTR, LinkStats(policy="compile" if link.compile else link.policy))
         return link
 
@@ -148,7 +180,7 @@ class ChunkRadixCache(RadixCache):
                 if found is not None:
                     self.unlock(found[2])
             if link.policy in CHUNK_POLICIES and link.chunks and not self.disable:
-                self._graft_chunks(key, link, stats)
+                self._graft_chunks(key, self._segments(req, link), stats, len(link.chunks))
             result = super().match_prefix(MatchPrefixParams(key=key, cow_mamba=params.cow_mamba, req=req))
         prompt_len = len(req.origin_input_ids)
         stats.reused_tokens = result.device_prefix_len
@@ -234,47 +266,61 @@ class ChunkRadixCache(RadixCache):
             return
         self.counters.add("disk_saves")
 
-    def _graft_chunks(self, key: RadixKey, link: LinkRequest, stats: LinkStats) -> None:
-        values, prefix_node = self._match_prefix_helper(self.root_node, key)
-        matched = sum(len(v) for v in values)
-        limit = len(key)
-        tokens = key.token_ids
-        first_start = link.chunks[0][0]
+    @staticmethod
+    def _segments(req, link: LinkRequest) -> list[_Segment]:
+        prompt = list(req.origin_input_ids)
+        head_end = link.chunks[0][0]
+        if link.layout == REORDERED_LAYOUT:
+            layout = legolink_layout(len(prompt), list(link.chunks), link.k)
+            original = layout.restore(prompt)
+            chunk_spans = [
+                (rest_start, rest_end, original[s:e], min(link.k, e - s), s)
+                for (s, e), (rest_start, rest_end) in zip(link.chunks, layout.rests)
+                if rest_end > rest_start  # k covers the whole chunk: all of it is recomputed
+            ]
+        else:
+            original = prompt
+            chunk_spans = [(s, e, prompt[s:e], 0, s) for s, e in link.chunks]
         # The head (system prompt) is a true prefix: compiled at position 0 it is exact KV, so
         # it is grafted from the chunk store unshifted, but it is not a chunk (never counted,
         # never recomputed by a link step).
-        segments = ([(0, first_start, False)] if first_start > 0 else []) + [
-            (start, end, True) for start, end in link.chunks
-        ]
+        head = [_Segment(0, head_end, original[:head_end], 0, 0, False)] if head_end > 0 else []
+        return head + [_Segment(*span, is_chunk=True) for span in chunk_spans]
+
+    def _graft_chunks(self, key: RadixKey, segments: list[_Segment], stats: LinkStats, n_chunks: int) -> None:
+        values, prefix_node = self._match_prefix_helper(self.root_node, key)
+        matched = sum(len(v) for v in values)
+        limit = len(key)
         grafts: list[_Graft] = []
         locks = [self.lock(prefix_node)]
         position = matched
-        stats.chunk_hits = 0
+        hits_on_path = sum(1 for seg in segments if seg.is_chunk and seg.end <= matched)
+        stats.chunk_hits = hits_on_path
         try:
-            for start, end, is_chunk in segments:
-                if end <= matched:
-                    stats.chunk_hits += is_chunk  # already on this prompt's path in the tree
-                    continue
-                if start > position or position >= limit:
+            for seg in segments:
+                if seg.end <= matched:
+                    continue  # already on this prompt's path in the tree
+                if seg.start > position or position >= limit:
                     break  # ordinary tokens before this segment still need computing
-                found = self.lookup_chunk(tokens[start:end])
+                found = self.lookup_chunk(seg.chunk_tokens)
                 if found is None:
                     break
                 _, slots, lock = found
                 locks.append(lock)
-                take_end = min(end, limit)
-                grafts.append(_Graft(slots[position - start : take_end - start], shift=start))
-                stats.chunk_hits += is_chunk
+                take_end = min(seg.end, limit)
+                first = seg.chunk_offset + position - seg.start
+                grafts.append(_Graft(slots[first : first + take_end - position], shift=seg.shift))
+                stats.chunk_hits += seg.is_chunk
                 position = take_end
             new_slots = self._materialize(grafts) if grafts else None
         finally:
             for lock in locks:
                 self.unlock(lock)
         if new_slots is None:
-            stats.chunk_hits = sum(1 for _, end in link.chunks if end <= matched)
-            stats.chunk_misses = len(link.chunks) - stats.chunk_hits
+            stats.chunk_hits = hits_on_path
+            stats.chunk_misses = n_chunks - stats.chunk_hits
             return
-        stats.chunk_misses = len(link.chunks) - stats.chunk_hits
+        stats.chunk_misses = n_chunks - stats.chunk_hits
         path_slots = torch.cat(values) if values else self._empty_device_indices
         inserted = self.insert(
             InsertParams(key=key[:position], value=torch.cat((path_slots, new_slots)))

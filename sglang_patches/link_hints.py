@@ -31,8 +31,28 @@ PROTOCOL_VERSION = "1"
 # full: nothing reused, nothing stored (the quality baseline).
 # prefix: SGLang's own exact-prefix radix cache.
 # naive: every chunk's cached KV re-positioned and reused; only the non-chunk tail is computed.
-POLICIES = ("full", "prefix", "naive")
-CHUNK_POLICIES = ("naive",)
+# legolink: naive, plus the first k tokens of every chunk recomputed against the real context
+#   (EPIC); "legolink:K" names k, "legolink" means k = DEFAULT_LEGOLINK_K.
+POLICIES = ("full", "prefix", "naive", "legolink")
+CHUNK_POLICIES = ("naive", "legolink")
+DEFAULT_LEGOLINK_K = 16
+REORDERED_LAYOUT = "legolink"
+
+
+def split_policy(name: str) -> tuple[str, int]:
+    """'legolink:4' -> ('legolink', 4); other names -> (name, 0); unknown names raise."""
+    base, _, arg = name.partition(":")
+    if base not in POLICIES:
+        raise LinkHintError(f"unknown policy {name!r}; known: {', '.join(POLICIES)} (legolink:K)")
+    if base != "legolink":
+        if arg:
+            raise LinkHintError(f"policy {base!r} takes no parameter")
+        return base, 0
+    if not arg:
+        return base, DEFAULT_LEGOLINK_K
+    if not arg.isdigit():
+        raise LinkHintError(f"legolink:K needs a whole number K >= 0, got {arg!r}")
+    return base, int(arg)
 
 
 class LinkHintError(ValueError):
@@ -44,6 +64,13 @@ class LinkRequest:
     policy: str
     chunks: tuple[tuple[int, int], ...] = ()
     compile: bool = False
+    k: int = 0  # legolink: tokens recomputed at the head of every chunk
+    layout: str = "original"  # "legolink": input_ids arrive reordered (sglang_patches.legolink_layout)
+
+    @classmethod
+    def of(cls, policy: str, chunks) -> LinkRequest:
+        base, k = split_policy(policy)
+        return cls(policy=base, chunks=tuple((int(s), int(e)) for s, e in chunks), k=k)
 
     def validate(self, prompt_len: int) -> None:
         if self.policy not in POLICIES:
@@ -54,7 +81,11 @@ class LinkRequest:
                 raise LinkHintError(f"chunk span [{start}, {end}) outside the prompt of {prompt_len} tokens")
             if start < previous_end:
                 raise LinkHintError(f"chunk spans overlap or are unordered at [{start}, {end})")
+            if self.policy == "legolink" and previous_end and start != previous_end:
+                raise LinkHintError("legolink needs back-to-back chunk spans (no tokens between chunks)")
             previous_end = end
+        if self.k < 0:
+            raise LinkHintError(f"legolink k must be >= 0, got {self.k}")
 
 
 def _field(obj: Any, name: str) -> Any:
@@ -82,11 +113,15 @@ def parse_link_request(kv_hints: Any) -> Optional[LinkRequest]:
             payload = _field(action, "payload") or {}
             if not isinstance(payload, dict):
                 raise LinkHintError(f"{LINK_ACTION} payload must be an object")
+            policy, k_of_name = split_policy(str(payload.get("policy", "naive")))
             try:
                 chunks = tuple((int(s), int(e)) for s, e in payload.get("chunks", ()))
+                k = int(payload.get("k", k_of_name))
             except (TypeError, ValueError) as exc:
-                raise LinkHintError(f"malformed chunk spans: {exc}") from exc
-            return LinkRequest(policy=str(payload.get("policy", "naive")), chunks=chunks)
+                raise LinkHintError(f"malformed chunk spans or k: {exc}") from exc
+            return LinkRequest(
+                policy=policy, chunks=chunks, k=k, layout=str(payload.get("layout", "original")),
+            )
     return None
 
 
@@ -102,7 +137,30 @@ def _envelope(action_type: str, payload: dict) -> dict:
 
 
 def link_hints(policy: str, chunks: list[tuple[int, int]]) -> dict:
-    return _envelope(LINK_ACTION, {"policy": policy, "chunks": [list(c) for c in chunks]})
+    """Hints for a prompt in its original order; `policy` may be 'legolink:K'."""
+    link = LinkRequest.of(policy, chunks)
+    return hints_of(link)
+
+
+def hints_of(link: LinkRequest) -> dict:
+    payload = {"policy": link.policy, "chunks": [list(c) for c in link.chunks]}
+    if link.policy == "legolink":
+        payload["k"] = link.k
+    if link.layout != "original":
+        payload["layout"] = link.layout
+    return _envelope(LINK_ACTION, payload)
+
+
+def runtime_request(input_ids: list[int], link: LinkRequest) -> tuple[list[int], dict]:
+    """The input_ids and kv_hints the runtime gets for a prompt in its original order: LegoLink
+    prompts are reordered so the tokens it recomputes form the extend (legolink_layout)."""
+    if link.policy != "legolink" or not link.chunks:
+        return input_ids, hints_of(link)
+    from sglang_patches.legolink_layout import legolink_layout
+
+    layout = legolink_layout(len(input_ids), list(link.chunks), link.k)
+    reordered = LinkRequest(policy=link.policy, chunks=link.chunks, k=link.k, layout=REORDERED_LAYOUT)
+    return layout.reorder(input_ids), hints_of(reordered)
 
 
 def compile_hints() -> dict:

@@ -4,7 +4,8 @@ SGLang calls `register` early in its main, scheduler and detokenizer processes. 
 * the radix-cache backend ``pic`` (`--radix-cache-backend pic`): sglang_patches.chunk_cache;
 * the attention backend ``picrag_native`` (`--attention-backend picrag_native`): SGLang's
   torch_native backend with extend attention on real query rows only (sglang_patches.attention);
-* a hook that adds each request's chunk-cache accounting to ``meta_info`` (sglang_patches.meta_info).
+* a hook that adds each request's chunk-cache accounting to ``meta_info`` (sglang_patches.meta_info);
+* a hook that runs reordered LegoLink prompts at their true positions (sglang_patches.positions).
 """
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ def register() -> None:
         )
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
-    from sglang_patches import attention, meta_info
+    from sglang_patches import attention, meta_info, positions
 
     if get_radix_cache_factory(RADIX_CACHE_BACKEND) is None:
         register_radix_cache_backend(RADIX_CACHE_BACKEND, _chunk_cache_factory)
     attention.register()
     meta_info.register()
+    positions.register()

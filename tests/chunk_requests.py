@@ -29,11 +29,12 @@ def passages_of(row: dict, picks) -> list[PromptPassage]:
     return [PromptPassage(row["passages"][i]["title"], row["passages"][i]["text"]) for i in picks]
 
 
-def generate(client, input_ids, policy=None, chunks=(), max_new_tokens=8, logprobs=False) -> dict:
+def generate(client, input_ids, policy=None, chunks=(), max_new_tokens=8, logprobs=False, **extra) -> dict:
     body = {
         "input_ids": input_ids,
         "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
         "return_logprob": logprobs,
+        **extra,
     }
     if policy is not None:
         body["kv_hints"] = link_hints(policy, list(chunks))

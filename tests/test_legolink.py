@@ -1,0 +1,97 @@
+"""LegoLink (EPIC) inside SGLang's forward: exact limits, exact token counts, batched with others."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from sglang_patches.legolink_layout import legolink_layout
+from sglang_patches.link_hints import LinkHintError, LinkRequest, split_policy
+from tests.chunk_requests import generate, layout, musique, passages_of, picrag_meta
+
+__all__ = ["layout", "musique"]  # fixtures, used by name
+
+
+def test_layout_moves_link_tokens_behind_the_rests():
+    chunks = [(3, 8), (8, 10), (10, 16)]
+    lay = legolink_layout(20, chunks, k=3)
+    # head, rests (chunk 2 has none: k covers it), link tokens, question
+    assert lay.order == [0, 1, 2, 6, 7, 13, 14, 15, 3, 4, 5, 8, 9, 10, 11, 12, 16, 17, 18, 19]
+    assert lay.rests == [(3, 5), (5, 5), (5, 8)]
+    tokens = list(range(100, 120))
+    assert lay.restore(lay.reorder(tokens)) == tokens
+
+
+def test_policy_names():
+    assert split_policy("legolink") == ("legolink", 16)
+    assert split_policy("legolink:2") == ("legolink", 2)
+    assert split_policy("naive") == ("naive", 0)
+    for bad in ("legolink:x", "naive:3", "blend"):
+        with pytest.raises(LinkHintError):
+            split_policy(bad)
+    with pytest.raises(LinkHintError, match="back-to-back"):
+        LinkRequest.of("legolink", [(0, 4), (5, 9)]).validate(12)
+
+
+def first_token_top(out: dict) -> dict[int, float]:
+    return {token: logprob for logprob, token, _ in out["meta_info"]["output_top_logprobs"][0]}
+
+
+def run(client, prompt, policy, top=False, max_new_tokens=8):
+    body_extra = {"top_logprobs_num": 5} if top else {}
+    return generate(client, prompt.input_ids, policy, prompt.chunks, max_new_tokens=max_new_tokens,
+                    logprobs=top, **body_extra)
+
+
+@pytest.mark.server
+def test_legolink_limits_equal_full_and_naive(picrag_server, layout, musique):
+    row = musique[50]
+    prompt = layout.build(row["question"], passages_of(row, [0, 1, 2, 3]))
+    longest = max(end - start for start, end in prompt.chunks)
+    with picrag_server.client() as client:
+        full = run(client, prompt, "full", top=True)
+        whole = run(client, prompt, f"legolink:{longest}", top=True)
+        naive = run(client, prompt, "naive", top=True)
+        zero = run(client, prompt, "legolink:0", top=True)
+    # k covering every chunk recomputes everything but the head (a true prefix): full prefill.
+    assert picrag_meta(whole)["computed_tokens"] == len(prompt.input_ids) - len(layout.head_ids)
+    assert whole["output_ids"] == full["output_ids"]
+    full_top, whole_top = first_token_top(full), first_token_top(whole)
+    assert whole_top.keys() == full_top.keys()
+    for token, logprob in full_top.items():
+        assert whole_top[token] == pytest.approx(logprob, abs=1e-4)
+    # k = 0 recomputes nothing: naive.
+    assert zero["output_ids"] == naive["output_ids"]
+    assert first_token_top(zero) == pytest.approx(first_token_top(naive), abs=1e-5)
+
+
+@pytest.mark.server
+def test_legolink_16_computes_16_tokens_per_chunk_and_changes_answers(picrag_server, layout, musique):
+    row = musique[51]
+    ten = layout.build(row["question"], passages_of(row, range(10)))
+    assert min(end - start for start, end in ten.chunks) > 16
+    question_tokens = len(ten.input_ids) - ten.chunks[-1][1]
+    changed = 0
+    with picrag_server.client() as client:
+        meta = picrag_meta(run(client, ten, "legolink:16", max_new_tokens=1))
+        for row in musique[60:80]:
+            prompt = layout.build(row["question"], passages_of(row, [0, 1, 2]))
+            naive = run(client, prompt, "naive", max_new_tokens=6)
+            lego = run(client, prompt, "legolink:16", max_new_tokens=6)
+            changed += naive["output_ids"] != lego["output_ids"]
+    assert meta["computed_tokens"] == 10 * 16 + question_tokens
+    assert meta["reused_tokens"] == len(ten.input_ids) - 10 * 16 - question_tokens
+    assert changed >= 1
+
+
+@pytest.mark.server
+def test_mixed_batch_matches_each_request_alone(picrag_server, layout, musique):
+    row = musique[52]
+    prompts = [layout.build(row["question"], passages_of(row, order)) for order in ([0, 1, 2], [2, 0, 1], [1, 2])]
+    jobs = [(p, policy) for p in prompts for policy in ("full", "naive", "legolink:8", "prefix")]
+    with picrag_server.client() as client:
+        alone = [run(client, p, policy)["output_ids"] for p, policy in jobs]
+        with ThreadPoolExecutor(max_workers=len(jobs)) as workers:
+            together = list(workers.map(lambda job: run(client, *job)["output_ids"], jobs))
+    assert together == alone
