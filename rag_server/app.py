@@ -10,6 +10,7 @@ markers in `/generate` texts (rag_server/chunk_markers.py) and `/concate_and_app
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from contextlib import asynccontextmanager
@@ -123,7 +124,7 @@ def create_app(
             retriever = await asyncio.to_thread(_open_index, index_dir) if index_dir else None
             app.state.rag = RagService(
                 tokenizer,
-                LinkedGenerator(app.state.client, app.state.compiler),
+                LinkedGenerator(app.state.client, app.state.compiler, sink_token=tokenizer.bos_token_id),
                 await _context_limits(app.state.client, model_dir),
                 retriever=retriever,
                 default_policy=default_policy,
@@ -194,6 +195,8 @@ def create_app(
             payload, body = marked, json.dumps(marked).encode()
         try:
             link = parse_link_request(payload["kv_hints"])
+            if link is not None and link.policy == "legolink0" and link.sink_token is None:
+                link = dataclasses.replace(link, sink_token=app.state.rag.generator.sink_token)
             if link is not None and not link.compile:
                 input_ids = payload.get("input_ids")
                 if not (isinstance(input_ids, list) and all(isinstance(t, int) for t in input_ids)):
@@ -209,7 +212,7 @@ def create_app(
             except (CompileError, httpx.HTTPError) as exc:
                 logger.error("chunk compile failed: %s", exc)
                 return JSONResponse({"error": {"message": str(exc), "type": "compile_failed"}}, 503)
-            if link.policy == "legolink":
+            if link.policy in ("legolink", "legolink0"):
                 payload["input_ids"], payload["kv_hints"] = runtime_request(input_ids, link)
                 body = json.dumps(payload).encode()
         return await forward(request, body)

@@ -32,8 +32,8 @@ def segments_to_compile(input_ids: list[int], link: LinkRequest) -> list[list[in
     if link.policy not in CHUNK_POLICIES or not link.chunks:
         return []
     head_end = link.chunks[0][0]
-    spans = ([(0, head_end)] if head_end > 0 else []) + list(link.chunks)
-    return [input_ids[start:end] for start, end in spans]
+    head = [input_ids[:head_end]] if head_end > 0 else []
+    return head + [link.stored_chunk(input_ids[start:end]) for start, end in link.chunks]
 
 
 def _chunk_key(token_ids: list[int]) -> str:

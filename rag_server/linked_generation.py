@@ -35,14 +35,15 @@ class RuntimeDelta:
 
 
 class LinkedGenerator:
-    def __init__(self, client: httpx.AsyncClient, compiler: ChunkCompiler):
+    def __init__(self, client: httpx.AsyncClient, compiler: ChunkCompiler, sink_token: int | None = None):
         self.client = client
         self.compiler = compiler
+        self.sink_token = sink_token  # legolink0's sink: the model's BOS
 
     async def compile(self, input_ids: list[int], policy: str, chunks: Sequence[tuple[int, int]]) -> float:
         """Make sure the prompt's chunks are in the chunk store; returns the seconds it took."""
         started = time.perf_counter()
-        link = LinkRequest.of(policy, chunks)
+        link = LinkRequest.of(policy, chunks, self.sink_token)
         link.validate(len(input_ids))
         try:
             await self.compiler.prepare(input_ids, link)
@@ -53,7 +54,7 @@ class LinkedGenerator:
     async def stream(
         self, input_ids: list[int], policy: str, chunks: Sequence[tuple[int, int]], sampling: dict[str, Any]
     ) -> AsyncIterator[RuntimeDelta]:
-        runtime_ids, hints = runtime_request(input_ids, LinkRequest.of(policy, chunks))
+        runtime_ids, hints = runtime_request(input_ids, LinkRequest.of(policy, chunks, self.sink_token))
         body = {
             "input_ids": runtime_ids,
             "sampling_params": sampling,

@@ -54,6 +54,8 @@ POSITIONS_ATTR = "picrag_positions"
 
 
 def namespace_of(link: LinkRequest) -> str:
+    if link.policy == "legolink0":
+        return f"picrag:legolink0:{link.sink_token}"
     if link.policy != "legolink":
         return f"picrag:{link.policy}"
     # A reordered prompt's KV depends on k and on where the chunks were, not only on its tokens.
@@ -280,7 +282,9 @@ class ChunkRadixCache(RadixCache):
             ]
         else:
             original = prompt
-            chunk_spans = [(s, e, prompt[s:e], 0, s) for s, e in link.chunks]
+            # legolink0 chunks are stored behind sink tokens: skip them, shift by their count.
+            sinks = len(link.stored_chunk([]))
+            chunk_spans = [(s, e, link.stored_chunk(prompt[s:e]), sinks, s - sinks) for s, e in link.chunks]
         # The head (system prompt) is a true prefix: compiled at position 0 it is exact KV, so
         # it is grafted from the chunk store unshifted, but it is not a chunk (never counted,
         # never recomputed by a link step).

@@ -19,6 +19,7 @@ A request without picrag actions behaves exactly like vanilla SGLang.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -33,8 +34,11 @@ PROTOCOL_VERSION = "1"
 # naive: every chunk's cached KV re-positioned and reused; only the non-chunk tail is computed.
 # legolink: naive, plus the first k tokens of every chunk recomputed against the real context
 #   (EPIC); "legolink:K" names k, "legolink" means k = DEFAULT_LEGOLINK_K.
-POLICIES = ("full", "prefix", "naive", "legolink")
-CHUNK_POLICIES = ("naive", "legolink")
+# legolink0: chunks compiled behind SINK_TOKENS copies of a sink token (the model's BOS) whose
+#   KV is dropped, so no chunk starts with an attention sink; only the question is computed.
+POLICIES = ("full", "prefix", "naive", "legolink", "legolink0")
+CHUNK_POLICIES = ("naive", "legolink", "legolink0")
+SINK_TOKENS = 3
 DEFAULT_LEGOLINK_K = 16
 REORDERED_LAYOUT = "legolink"
 
@@ -66,11 +70,21 @@ class LinkRequest:
     compile: bool = False
     k: int = 0  # legolink: tokens recomputed at the head of every chunk
     layout: str = "original"  # "legolink": input_ids arrive reordered (sglang_patches.legolink_layout)
+    sink_token: Optional[int] = None  # legolink0: the token compiled SINK_TOKENS times before each chunk
 
     @classmethod
-    def of(cls, policy: str, chunks) -> LinkRequest:
+    def of(cls, policy: str, chunks, sink_token: Optional[int] = None) -> LinkRequest:
         base, k = split_policy(policy)
-        return cls(policy=base, chunks=tuple((int(s), int(e)) for s, e in chunks), k=k)
+        return cls(
+            policy=base, chunks=tuple((int(s), int(e)) for s, e in chunks), k=k,
+            sink_token=sink_token if base == "legolink0" else None,
+        )
+
+    def stored_chunk(self, chunk_tokens: list[int]) -> list[int]:
+        """The tokens a chunk is compiled and stored as under this policy."""
+        if self.policy == "legolink0":
+            return [self.sink_token] * SINK_TOKENS + list(chunk_tokens)
+        return list(chunk_tokens)
 
     def validate(self, prompt_len: int) -> None:
         if self.policy not in POLICIES:
@@ -86,6 +100,8 @@ class LinkRequest:
             previous_end = end
         if self.k < 0:
             raise LinkHintError(f"legolink k must be >= 0, got {self.k}")
+        if self.policy == "legolink0" and self.sink_token is None:
+            raise LinkHintError("legolink0 needs a sink_token (the frontend fills in the model's BOS)")
 
 
 def _field(obj: Any, name: str) -> Any:
@@ -119,8 +135,10 @@ def parse_link_request(kv_hints: Any) -> Optional[LinkRequest]:
                 k = int(payload.get("k", k_of_name))
             except (TypeError, ValueError) as exc:
                 raise LinkHintError(f"malformed chunk spans or k: {exc}") from exc
+            sink = payload.get("sink_token")
             return LinkRequest(
                 policy=policy, chunks=chunks, k=k, layout=str(payload.get("layout", "original")),
+                sink_token=int(sink) if isinstance(sink, int) else None,
             )
     return None
 
@@ -148,6 +166,8 @@ def hints_of(link: LinkRequest) -> dict:
         payload["k"] = link.k
     if link.layout != "original":
         payload["layout"] = link.layout
+    if link.sink_token is not None:
+        payload["sink_token"] = link.sink_token
     return _envelope(LINK_ACTION, payload)
 
 
@@ -159,7 +179,7 @@ def runtime_request(input_ids: list[int], link: LinkRequest) -> tuple[list[int],
     from sglang_patches.legolink_layout import legolink_layout
 
     layout = legolink_layout(len(input_ids), list(link.chunks), link.k)
-    reordered = LinkRequest(policy=link.policy, chunks=link.chunks, k=link.k, layout=REORDERED_LAYOUT)
+    reordered = dataclasses.replace(link, layout=REORDERED_LAYOUT)
     return layout.reorder(input_ids), hints_of(reordered)
 
 

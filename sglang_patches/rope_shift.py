@@ -55,19 +55,22 @@ class KeyShifter:
         return self.cos_sin_cache.shape[0]
 
     def shift(self, keys: torch.Tensor, delta: int) -> torch.Tensor:
-        """keys [n, heads, head_dim] computed at positions p -> the same keys at p + delta."""
+        """keys [n, heads, head_dim] computed at positions p -> the same keys at p + delta
+        (delta may be negative)."""
         if delta == 0:
             return keys
         return self.shift_each(keys, torch.full((keys.shape[0],), delta, dtype=torch.int64))
 
     def shift_each(self, keys: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
         """Like `shift`, with its own delta per token (deltas [n]): one pass for many chunks."""
-        if deltas.numel() and not (0 <= int(deltas.min()) and int(deltas.max()) < self.max_position):
+        if deltas.numel() and int(deltas.abs().max()) >= self.max_position:
             raise RopeShiftError(f"shifts outside the model's {self.max_position} positions")
         half = self.rotary_dim // 2
-        rows = self.cos_sin_cache.index_select(0, deltas.to(self.cos_sin_cache.device))
+        rows = self.cos_sin_cache.index_select(0, deltas.abs().to(self.cos_sin_cache.device))
         rows = rows.to(torch.promote_types(keys.dtype, torch.float32)).unsqueeze(1)  # [n, 1, rot]
-        cos, sin = rows[..., :half], rows[..., half : self.rotary_dim]
+        # R(-d) is R(d) with the sine negated.
+        sign = torch.where(deltas < 0, -1.0, 1.0).to(rows.device, rows.dtype)[:, None, None]
+        cos, sin = rows[..., :half], rows[..., half : self.rotary_dim] * sign
         k = keys.to(rows.dtype)
         rot, rest = k[..., : self.rotary_dim], k[..., self.rotary_dim :]
         if self.is_neox_style:

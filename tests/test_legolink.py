@@ -95,3 +95,21 @@ def test_mixed_batch_matches_each_request_alone(picrag_server, layout, musique):
         with ThreadPoolExecutor(max_workers=len(jobs)) as workers:
             together = list(workers.map(lambda job: run(client, *job)["output_ids"], jobs))
     assert together == alone
+
+
+@pytest.mark.server
+def test_legolink0_computes_only_the_question_from_sink_compiled_chunks(picrag_server, layout, musique):
+    row = musique[53]
+    prompt = layout.build(row["question"], passages_of(row, [0, 1, 2]))
+    question_tokens = len(prompt.input_ids) - prompt.chunks[-1][1]
+    with picrag_server.client() as client:
+        naive = run(client, prompt, "naive", top=True)
+        sunk = run(client, prompt, "legolink0", top=True)
+        client.post("/flush_cache").raise_for_status()
+        cold = run(client, prompt, "legolink0", top=True)
+    meta = picrag_meta(sunk)
+    assert meta["computed_tokens"] == question_tokens and meta["chunk_hits"] == 3
+    # Chunks computed behind sinks are different KV from naive's, and reproducible from cold.
+    assert first_token_top(sunk) != pytest.approx(first_token_top(naive), abs=1e-4)
+    assert cold["output_ids"] == sunk["output_ids"]
+    assert first_token_top(cold) == pytest.approx(first_token_top(sunk), abs=1e-5)

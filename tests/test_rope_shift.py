@@ -113,3 +113,11 @@ def test_shift_refuses_magnitude_scaling_tables():
     table = torch.cat((torch.full((16, 4), 1.2), torch.zeros(16, 4)), dim=-1)
     with pytest.raises(RopeShiftError, match="scales magnitudes"):
         KeyShifter(table, head_dim=8, rotary_dim=8, is_neox_style=True)
+
+
+def test_negative_shift_inverts_a_positive_one(layer0):
+    config, weights = layer0
+    shifter = KeyShifter.from_rotary_embedding(sglang_rope(config))
+    keys = rope_at(sglang_rope(config), prerope_keys(config, weights, TOKENS), 0)
+    there_and_back = shifter.shift(shifter.shift(keys, 1234), -1234)
+    torch.testing.assert_close(there_and_back, keys, atol=fp32_angle_tolerance(keys, 1234), rtol=0)
