@@ -3,8 +3,10 @@
 On MuSiQue dev rows (20 passages each), per row and in one run:
   full    policy full: nothing reused (a cold prefill of the whole prompt);
   prefix  SGLang's radix cache, warm: the same prompt minus the question was sent just before;
-  naive   chunks warm (compiled by an earlier request that used them in another order), the
-          measured prompt uses a new shuffled order, so SGLang's prefix cache alone would miss.
+  naive, legolink:K, legolink0 (--link-policies)
+          chunks warm (compiled by an earlier request of the same policy that used them in
+          another order), the measured prompt uses a new shuffled order, so SGLang's prefix
+          cache alone would miss.
 TTFT is the client's wall time of a 1-token request through the picrag frontend, so naive's
 includes its compile round trips (all hits). Medians over rows, and ratios to full.
 
@@ -51,7 +53,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8012)
     parser.add_argument("--rows", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--link-policies", default="naive,legolink:2,legolink:16,legolink0")
     args = parser.parse_args()
+    link_policies = args.link_policies.split(",")
 
     from transformers import AutoTokenizer
 
@@ -63,8 +67,8 @@ def main() -> None:
 
     server = None if args.url else start_picrag_serve(args.port, [], Path("/tmp/picrag-bench-ttft.log"))
     url = args.url or f"http://127.0.0.1:{args.port}"
-    times: dict[str, list[float]] = {"full": [], "prefix": [], "naive": []}
-    tokens: dict[str, list[int]] = {"full": [], "prefix": [], "naive": []}
+    times: dict[str, list[float]] = {name: [] for name in ["full", "prefix", *link_policies]}
+    tokens: dict[str, list[int]] = {name: [] for name in times}
     prompt_lens = []
     try:
         with httpx.Client(base_url=url, timeout=1800) as client:
@@ -86,11 +90,12 @@ def main() -> None:
                 rng.shuffle(warm_order)
                 rng.shuffle(measured_order)
                 warm = layout.build(row["question"], warm_order)
-                timed(client, warm.input_ids, "naive", warm.chunks)  # compiles every chunk
                 measured = layout.build(row["question"], measured_order)
-                t, meta = timed(client, measured.input_ids, "naive", measured.chunks)
-                times["naive"].append(t)
-                tokens["naive"].append(meta["cached_tokens_details"]["picrag_computed_tokens"])
+                for policy in link_policies:
+                    timed(client, warm.input_ids, policy, warm.chunks)  # compiles every chunk
+                    t, meta = timed(client, measured.input_ids, policy, measured.chunks)
+                    times[policy].append(t)
+                    tokens[policy].append(meta["cached_tokens_details"]["picrag_computed_tokens"])
                 print(f"row {i + 1}/{len(rows)}: {len(prompt.input_ids)} tokens, "
                       + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()), flush=True)
     finally:
