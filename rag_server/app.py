@@ -13,13 +13,19 @@ import asyncio
 import dataclasses
 import json
 import logging
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
 from fastapi import FastAPI, Request, Response
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from rag_server.admission import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_QUEUE, Admission
+from rag_server.auth import ApiKeyGuard
 from rag_server.chunk_compiler import ChunkCompiler, CompileError
 from rag_server.chunk_markers import link_marked_payload
 from rag_server.context_window import ContextLimits
@@ -41,10 +47,13 @@ PASSTHROUGH_ROUTES: dict[str, list[str]] = {
     "/flush_cache": ["GET", "POST"],
     "/abort_request": ["POST"],
     "/metrics": ["GET"],
+    "/v1/loads": ["GET"],
     "/v1/models": ["GET"],
     "/v1/completions": ["POST"],
 }
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
+# The API key is the frontend's: the runtime (loopback, no key) never sees it.
+_CREDENTIAL_HEADERS = {"authorization", "x-api-key"}
 
 
 class BodyLimit:
@@ -64,6 +73,31 @@ class BodyLimit:
                 response = JSONResponse({"detail": f"request body over {self.max_bytes} bytes"}, 413)
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+def linked_prompt_error(input_tokens: int, sampling: object, limits: ContextLimits) -> str | None:
+    """Why the runtime would refuse this prompt, asked before its chunks are compiled: the
+    runtime checks length only when the prompt arrives, after every chunk was computed (minutes
+    on a CPU), and a chunk over the window makes the compile fail as if the runtime had."""
+    if input_tokens > limits.max_input_tokens:
+        return f"the prompt ({input_tokens} tokens) is longer than the runtime accepts ({limits.max_input_tokens})"
+    max_new = sampling.get("max_new_tokens") if isinstance(sampling, dict) else None
+    if isinstance(max_new, int) and input_tokens + max_new > limits.context_length:
+        return (f"prompt ({input_tokens} tokens) plus max_new_tokens ({max_new}) exceed the context "
+                f"length ({limits.context_length})")
+    return None
+
+
+class AsciiJSONResponse(JSONResponse):
+    def render(self, content) -> bytes:
+        # ASCII escapes: a lone surrogate (valid JSON, "\\ud800") echoed back is not UTF-8.
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
+
+async def validation_error(_request: Request, exc: RequestValidationError) -> Response:
+    """FastAPI's 422, which quotes the offending input, rendered so that any input can be quoted
+    (the default response raised a 500 on an unpaired surrogate in a question)."""
+    return AsciiJSONResponse({"detail": jsonable_encoder(exc.errors())}, 422)
 
 
 def leading_special_tokens(tokenizer) -> list[int]:
@@ -103,9 +137,16 @@ def create_app(
     model_path: Path | None = None,
     index_dir: Path | None = None,
     default_policy: str = DEFAULT_POLICY,
+    api_key: str | None = None,
+    cors_origins: Sequence[str] = (),
+    max_inflight: int = DEFAULT_MAX_INFLIGHT,
+    max_queue: int = DEFAULT_MAX_QUEUE,
 ) -> FastAPI:
     """The frontend for a runtime that is already up. `model_path` (default: the runtime's)
-    gives the tokenizer and context window; `index_dir` the passage index to retrieve from."""
+    gives the tokenizer and context window; `index_dir` the passage index to retrieve from.
+    `api_key`: required on every route but /health; `cors_origins`: browser origins allowed
+    (none: no CORS headers); `max_inflight` requests run at once, `max_queue` more wait, 503
+    beyond (rag_server/admission.py)."""
     if default_policy not in POLICIES:
         raise ValueError(f"unknown default policy {default_policy!r}; known: {', '.join(POLICIES)}")
 
@@ -135,9 +176,19 @@ def create_app(
             await app.state.client.aclose()
 
     app = FastAPI(title="picrag", version="0.1.0", lifespan=lifespan)
+    app.add_exception_handler(RequestValidationError, validation_error)
     app.include_router(rag_router)
 
+    # Added innermost first. CORS outermost, so that preflights (which carry no key) are
+    # answered and 401/503 answers carry CORS headers a browser can read; the key check before
+    # admission, so that requests without the key never take a slot.
     app.add_middleware(BodyLimit, prefix="/rag/", max_bytes=MAX_BODY_BYTES)
+    app.add_middleware(Admission, max_inflight=max_inflight, max_queue=max_queue)
+    if api_key:
+        app.add_middleware(ApiKeyGuard, api_key=api_key)
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     @app.get("/health")
     async def health() -> Response:
@@ -156,7 +207,8 @@ def create_app(
             request.url.path,
             params=request.query_params,
             content=await request.body() if body is None else body,
-            headers={k: v for k, v in request.headers.items() if k.lower() not in {"host", *_HOP_HEADERS}},
+            headers={k: v for k, v in request.headers.items()
+                     if k.lower() not in {"host", *_HOP_HEADERS, *_CREDENTIAL_HEADERS}},
         )
         try:
             upstream = await client.send(upstream_request, stream=True)
@@ -207,6 +259,9 @@ def create_app(
         except LinkHintError as exc:
             return JSONResponse({"error": {"message": str(exc), "type": "invalid_kv_hints"}}, 400)
         if link is not None and not link.compile:
+            too_long = linked_prompt_error(len(input_ids), payload.get("sampling_params"), app.state.rag.limits)
+            if too_long:
+                return JSONResponse({"error": {"message": too_long, "type": "prompt_too_long"}}, 400)
             try:
                 await app.state.compiler.prepare(input_ids, link)
             except (CompileError, httpx.HTTPError) as exc:

@@ -17,10 +17,18 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 logger = logging.getLogger("picrag")
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from rag_server.app import create_app
+    from rag_server.auth import API_KEY_ENV
     from rag_server.model_store import resolve_model
     from rag_server.runtime import RuntimeConfig, SGLangRuntime
 
@@ -51,7 +59,10 @@ def _serve(args: argparse.Namespace) -> int:
         runtime.start(timeout_s=args.start_timeout)
         logger.info("picrag frontend listening on http://%s:%d (runtime %s)", args.host, args.port, runtime.url)
         app = create_app(runtime.url, model_path=model_path, index_dir=args.index,
-                         default_policy=args.default_policy)
+                         default_policy=args.default_policy,
+                         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                         cors_origins=args.cors_origin, max_inflight=args.max_inflight,
+                         max_queue=args.max_queue)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
         runtime.stop()
@@ -103,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    from rag_server.admission import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_QUEUE
+    from rag_server.auth import API_KEY_ENV
+
     serve = commands.add_parser(
         "serve", help="start the SGLang runtime and the picrag HTTP frontend",
         description="Start SGLang's runtime on a model and the picrag HTTP frontend in front of it. "
@@ -139,6 +153,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="passage index (`picrag index build`) that /rag/query retrieves from")
     serve.add_argument("--default-policy", default=DEFAULT_POLICY, choices=POLICIES,
                        help=f"link policy of requests that name none (default {DEFAULT_POLICY})")
+    serve.add_argument("--api-key", default=None, metavar="KEY",
+                       help=f"require `Authorization: Bearer KEY` (or `X-API-Key: KEY`) on every route "
+                       f"but /health (default: ${API_KEY_ENV}, which keeps the key out of `ps`; "
+                       "unset: no key)")
+    serve.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                       help="allow browser requests from ORIGIN (repeatable; '*' for any; default: no CORS)")
+    serve.add_argument("--max-inflight", type=_positive_int, default=DEFAULT_MAX_INFLIGHT, metavar="N",
+                       help=f"requests processed at once (default {DEFAULT_MAX_INFLIGHT})")
+    serve.add_argument("--max-queue", type=_non_negative_int, default=DEFAULT_MAX_QUEUE, metavar="N",
+                       help=f"requests waiting for a slot (default {DEFAULT_MAX_QUEUE}); "
+                       "beyond them: 503 with Retry-After")
     serve.set_defaults(func=_serve)
 
     ask = commands.add_parser(
