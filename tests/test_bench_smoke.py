@@ -1,0 +1,102 @@
+"""`picrag bench quality` / `picrag bench load` end to end on the shared server (tiny runs), plus
+the pieces that need no server: policy parsing, the first-token KL, split-GGUF assembly."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from rag_server.bench_common import parse_policies
+from rag_server.bench_load import LoadOptions, run_load
+from rag_server.bench_quality import QualityOptions, first_token_kl, run_quality
+from rag_server.model_store import PRESETS, ModelStoreError
+
+
+def test_policies_unknown_and_planned_are_reported_not_dropped():
+    from sglang_patches.link_hints import POLICIES
+
+    choices = {c.name: c for c in parse_policies("full,naive,cacheblend:0.15,cacherepair,bogus,naive")}
+    assert list(choices) == ["full", "naive", "cacheblend:0.15", "cacherepair", "bogus"]
+    assert choices["full"].available and choices["naive"].available
+    for planned in ("cacheblend:0.15", "cacherepair"):
+        # Whatever the engine accepts is available; a planned family it lacks is reported.
+        assert choices[planned].available == (planned.split(":")[0] in POLICIES)
+        if not choices[planned].available:
+            assert "not implemented" in choices[planned].reason
+    assert "unknown policy" in choices["bogus"].reason
+    assert not parse_policies("cacheblend:2")[0].available
+    assert not parse_policies("legolink:x")[0].available
+
+
+def test_first_token_kl_partition():
+    reference = {1: math.log(0.6), 2: math.log(0.3)}
+    assert first_token_kl(reference, dict(reference)) == pytest.approx(0.0, abs=1e-12)
+    probe = {1: math.log(0.3), 2: math.log(0.6)}
+    expected = 0.6 * math.log(2) + 0.3 * math.log(0.5)  # the "other" bucket is 0.1 in both
+    assert first_token_kl(reference, probe) == pytest.approx(expected)
+    assert first_token_kl(reference, {1: 0.0}) is None  # the policy did not return every id
+
+
+def test_split_gguf_is_assembled_in_order_and_hash_checked(tmp_path, monkeypatch):
+    monkeypatch.setenv("PICRAG_HOME", str(tmp_path / "home"))
+    parts = {f"pkg{i}": tmp_path / f"part0{i}.bin" for i in (1, 2, 3)}
+    for i, path in enumerate(parts.values()):
+        path.write_bytes(bytes([i]) * 1000)
+    whole = b"".join(p.read_bytes() for p in parts.values())
+    preset = replace(PRESETS["qwen2.5-coder-0.5b"], part_packages=tuple(parts),
+                     sha256=hashlib.sha256(whole).hexdigest())
+    monkeypatch.setattr(type(preset), "_part_file", lambda self, package: parts[package])
+    assert preset.gguf_path().read_bytes() == whole
+
+    monkeypatch.setenv("PICRAG_HOME", str(tmp_path / "other"))
+    with pytest.raises(ModelStoreError, match="SHA-256"):
+        replace(preset, sha256="0" * 64).gguf_path()
+    assert not list((tmp_path / "other" / "models").iterdir())  # nothing half-checked left behind
+
+
+def test_bench_quality_smoke(picrag_server, shared_qa: Path, tmp_path: Path):
+    out = tmp_path / "quality"
+    run_quality(QualityOptions(
+        dataset=shared_qa / "hotpotqa.dev.jsonl", policies="naive,nosuchpolicy", out=out, limit=2,
+        max_passages=2, max_tokens=4, url=picrag_server.url,
+    ), progress=False)
+    report = json.loads((out / "results.json").read_text())
+    assert set(report["policies"]) == {"full", "naive"}  # full joins as the reference
+    for name, summary in report["policies"].items():
+        assert summary["questions"] == 2
+        for key in ("f1", "em", "agreement_with_full", "first_token_kl_mean", "ttft_p50_s", "ttft_p90_s",
+                    "computed_tokens_mean", "reused_tokens_mean", "chunk_hit_rate", "ttft_speedup_vs_full"):
+            assert key in summary, (name, key)
+    full, naive = report["policies"]["full"], report["policies"]["naive"]
+    assert full["agreement_with_full"] == 100 and full["reused_tokens_mean"] == 0
+    assert naive["reused_tokens_mean"] > 0 and naive["chunk_hit_rate"] is not None
+    assert naive["first_token_kl_questions"] == 2 and naive["first_token_kl_mean"] >= 0
+    assert [u["policy"] for u in report["unavailable"]] == ["nosuchpolicy"]
+    assert "unknown policy" in report["unavailable"][0]["reason"]
+    table = (out / "results.md").read_text()
+    assert "| naive |" in table and "nosuchpolicy | unavailable" in table
+    assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_load_smoke(picrag_server, shared_qa: Path, tmp_path: Path):
+    out = tmp_path / "load"
+    run_load(LoadOptions(
+        dataset=shared_qa / "hotpotqa.dev.jsonl", policies="prefix,naive,nosuchpolicy", concurrency=(1, 2),
+        requests=3, out=out, pool=2, max_passages=2, max_tokens=4, url=picrag_server.url,
+    ), progress=False)
+    report = json.loads((out / "load.json").read_text())
+    cells = {(c["policy"], c["concurrency"]): c for c in report["cells"]}
+    assert set(cells) == {("prefix", 1), ("prefix", 2), ("naive", 1), ("naive", 2)}
+    for cell in cells.values():
+        assert cell["requests"] == 3 and cell["requests_per_s"] > 0 and cell["output_tokens_per_s"] > 0
+        assert cell["ttft_p50_s"] is not None and cell["ttft_p99_s"] >= cell["ttft_p50_s"]
+    # After the first request at least the head is stored, so later compiles hit the store.
+    assert cells[("naive", 1)]["store_hit_rate"] > 0
+    assert cells[("prefix", 1)]["link_hit_rate"] is None
+    assert [u["policy"] for u in report["unavailable"]] == ["nosuchpolicy"]
+    assert "| naive | 2 | 3 |" in (out / "load.md").read_text()
