@@ -12,19 +12,27 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang_patches.attention import QueryOnlyTorchNativeBackend, offset_causal_mask
 
 
-def run_extend(backend_cls, prefix_lens, extend_lens, sliding_window=None, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    heads, kv_heads, dim, pool = 6, 2, 16, 512
-    k_cache = torch.randn(pool, kv_heads, dim, generator=gen)
-    v_cache = torch.randn(pool, kv_heads, dim, generator=gen)
-    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    req_to_token = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int64)
-    # Scattered, non-contiguous slots: rows need not be contiguous in SGLang.
+HEADS, KV_HEADS, DIM = 6, 2, 16
+
+
+def scattered_pool(seq_lens, pool, row_dtype, gen):
+    """A random KV pool and request rows over scattered, non-contiguous slots (as in SGLang)."""
+    k_cache = torch.randn(pool, KV_HEADS, DIM, generator=gen)
+    v_cache = torch.randn(pool, KV_HEADS, DIM, generator=gen)
+    req_to_token = torch.zeros(len(seq_lens), max(seq_lens), dtype=row_dtype)
     slots = torch.randperm(pool, generator=gen)
     taken = 0
     for row, n in enumerate(seq_lens):
         req_to_token[row, :n] = slots[taken : taken + n]
         taken += n
+    return k_cache, v_cache, req_to_token
+
+
+def run_extend(backend_cls, prefix_lens, extend_lens, sliding_window=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    heads, dim = HEADS, DIM
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    k_cache, v_cache, req_to_token = scattered_pool(seq_lens, 512, torch.int64, gen)
     query = torch.randn(sum(extend_lens), heads, dim, generator=gen)
     output = torch.zeros_like(query)
     backend = object.__new__(backend_cls)  # the SDPA routine needs no model runner
@@ -61,15 +69,8 @@ def test_offset_causal_mask_places_queries_at_the_end():
 
 def run_decode(backend_cls, seq_lens, seed=1):
     gen = torch.Generator().manual_seed(seed)
-    heads, kv_heads, dim, pool = 6, 2, 16, 256
-    k_cache = torch.randn(pool, kv_heads, dim, generator=gen)
-    v_cache = torch.randn(pool, kv_heads, dim, generator=gen)
-    req_to_token = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int32)
-    slots = torch.randperm(pool, generator=gen)
-    taken = 0
-    for row, n in enumerate(seq_lens):
-        req_to_token[row, :n] = slots[taken : taken + n]
-        taken += n
+    heads, dim = HEADS, DIM
+    k_cache, v_cache, req_to_token = scattered_pool(seq_lens, 256, torch.int32, gen)
     query = torch.randn(len(seq_lens), heads, dim, generator=gen)
     output = torch.zeros_like(query)
     backend = object.__new__(backend_cls)
