@@ -44,19 +44,23 @@ def gather_row(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
     return key, value
 
 
-def true_position_mask(true_positions: torch.Tensor, q_len: int) -> torch.Tensor:
-    """For a reordered prompt: the row's last q_len entries are the queries, and each sees
-    the row entries whose true position is not after its own."""
-    return true_positions.unsqueeze(0) <= true_positions[-q_len:].unsqueeze(1)
+def true_position_mask(row_positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+    """Each query sees the row entries whose true position is not after its own."""
+    return row_positions.unsqueeze(0) <= query_positions.unsqueeze(1)
 
 
 class QueryOnlyTorchNativeBackend(TorchNativeAttnBackend):
+    # Per batch index: the true position of every row entry (reordered LegoLink prompts) and
+    # the positions of the queries when they are not the row's last entries (CacheBlend).
     _true_positions: dict[int, torch.Tensor] = {}
+    _query_positions: dict[int, torch.Tensor] = {}
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        from sglang_patches.cacheblend import QUERY_POSITIONS_ATTR
         from sglang_patches.positions import TRUE_POSITIONS_ATTR
 
         self._true_positions = getattr(forward_batch, TRUE_POSITIONS_ATTR, {})
+        self._query_positions = getattr(forward_batch, QUERY_POSITIONS_ATTR, {})
         return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
 
     def _run_sdpa_forward_extend(
@@ -94,8 +98,13 @@ class QueryOnlyTorchNativeBackend(TorchNativeAttnBackend):
             per_req_query = query[:, start_q:end_q, :]
             key, value = gather_row(k_cache, v_cache, slots, per_req_query.dtype)
             true_positions = self._true_positions.get(seq_idx)
-            if true_positions is not None:
-                mask, is_causal = true_position_mask(true_positions[:kv_len], q_len), False
+            query_positions = self._query_positions.get(seq_idx)
+            if query_positions is not None:
+                row = torch.arange(kv_len, device=query.device) if true_positions is None else true_positions[:kv_len]
+                mask, is_causal = true_position_mask(row, query_positions), False
+            elif true_positions is not None:
+                row = true_positions[:kv_len]
+                mask, is_causal = true_position_mask(row, row[-q_len:]), False
             elif q_len == kv_len and (sliding_window_size is None or sliding_window_size < 0):
                 mask, is_causal = None, True
             else:

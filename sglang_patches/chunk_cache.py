@@ -32,6 +32,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
+from sglang_patches.cacheblend import PLAN_ATTR, blend_plan
 from sglang_patches.disk_chunk_store import CorruptChunkFile, DiskChunkStore
 from sglang_patches.legolink_layout import legolink_layout
 from sglang_patches.link_hints import (
@@ -153,7 +154,9 @@ class ChunkRadixCache(RadixCache):
             link = None
         setattr(req, _LINK_ATTR, link)
         if link is not None:
-            if link.policy == "full":
+            if link.policy == "full" or (link.policy == "cacheblend" and not link.compile):
+                # A blended token's KV depends on the whole prompt (the deviation ranking), so
+                # it is no prefix to share; cacheblend's namespace only holds grafted heads.
                 req.skip_radix_cache_insert = True
             elif link.compile:
                 req.extra_key = _with_namespace(CHUNK_NAMESPACE, req.extra_key)
@@ -184,6 +187,8 @@ class ChunkRadixCache(RadixCache):
             if link.policy in CHUNK_POLICIES and link.chunks and not self.disable:
                 self._graft_chunks(key, self._segments(req, link), stats, len(link.chunks))
             result = super().match_prefix(MatchPrefixParams(key=key, cow_mamba=params.cow_mamba, req=req))
+            if link.policy == "cacheblend" and not link.compile and not self.disable:
+                setattr(req, PLAN_ATTR, blend_plan(self, req, link, result.device_prefix_len, stats))
         prompt_len = len(req.origin_input_ids)
         stats.reused_tokens = result.device_prefix_len
         stats.computed_tokens = prompt_len - result.device_prefix_len
@@ -280,6 +285,10 @@ class ChunkRadixCache(RadixCache):
                 for (s, e), (rest_start, rest_end) in zip(link.chunks, layout.rests)
                 if rest_end > rest_start  # k covers the whole chunk: all of it is recomputed
             ]
+        elif link.policy == "cacheblend":
+            # Only the head is grafted: the chunks are extend tokens, their cached KV is placed
+            # in the forward (sglang_patches.cacheblend).
+            original, chunk_spans = prompt, []
         else:
             original = prompt
             # legolink0 chunks are stored behind sink tokens: skip them, shift by their count.

@@ -36,27 +36,46 @@ PROTOCOL_VERSION = "1"
 #   (EPIC); "legolink:K" names k, "legolink" means k = DEFAULT_LEGOLINK_K.
 # legolink0: chunks compiled behind SINK_TOKENS copies of a sink token (the model's BOS) whose
 #   KV is dropped, so no chunk starts with an attention sink; only the question is computed.
-POLICIES = ("full", "prefix", "naive", "legolink", "legolink0")
-CHUNK_POLICIES = ("naive", "legolink", "legolink0")
+# cacheblend: layers 0 and 1 on every token, then only the fraction r of chunk tokens whose
+#   layer-1 V deviates most from the cache (plus the question) in later layers (CacheBlend);
+#   "cacheblend:R" names r, "cacheblend" means r = DEFAULT_CACHEBLEND_RATIO.
+POLICIES = ("full", "prefix", "naive", "legolink", "legolink0", "cacheblend")
+CHUNK_POLICIES = ("naive", "legolink", "legolink0", "cacheblend")
 SINK_TOKENS = 3
 DEFAULT_LEGOLINK_K = 16
+DEFAULT_CACHEBLEND_RATIO = 0.15
 REORDERED_LAYOUT = "legolink"
 
 
-def split_policy(name: str) -> tuple[str, int]:
-    """'legolink:4' -> ('legolink', 4); other names -> (name, 0); unknown names raise."""
+def split_policy(name: str) -> tuple[str, float]:
+    """'legolink:4' -> ('legolink', 4); 'cacheblend:0.3' -> ('cacheblend', 0.3); other names
+    -> (name, 0); unknown names raise."""
     base, _, arg = name.partition(":")
     if base not in POLICIES:
-        raise LinkHintError(f"unknown policy {name!r}; known: {', '.join(POLICIES)} (legolink:K)")
-    if base != "legolink":
-        if arg:
-            raise LinkHintError(f"policy {base!r} takes no parameter")
-        return base, 0
-    if not arg:
-        return base, DEFAULT_LEGOLINK_K
-    if not arg.isdigit():
-        raise LinkHintError(f"legolink:K needs a whole number K >= 0, got {arg!r}")
-    return base, int(arg)
+        raise LinkHintError(
+            f"unknown policy {name!r}; known: {', '.join(POLICIES)} (legolink:K, cacheblend:R)"
+        )
+    if base == "legolink":
+        if not arg:
+            return base, DEFAULT_LEGOLINK_K
+        if not arg.isdigit():
+            raise LinkHintError(f"legolink:K needs a whole number K >= 0, got {arg!r}")
+        return base, int(arg)
+    if base == "cacheblend":
+        return base, DEFAULT_CACHEBLEND_RATIO if not arg else _ratio(arg)
+    if arg:
+        raise LinkHintError(f"policy {base!r} takes no parameter")
+    return base, 0
+
+
+def _ratio(text: str) -> float:
+    try:
+        ratio = float(text)
+    except ValueError:
+        raise LinkHintError(f"cacheblend:R needs a number 0 <= R <= 1, got {text!r}") from None
+    if not 0.0 <= ratio <= 1.0:
+        raise LinkHintError(f"cacheblend:R needs a number 0 <= R <= 1, got {text!r}")
+    return ratio
 
 
 class LinkHintError(ValueError):
@@ -71,12 +90,15 @@ class LinkRequest:
     k: int = 0  # legolink: tokens recomputed at the head of every chunk
     layout: str = "original"  # "legolink": input_ids arrive reordered (sglang_patches.legolink_layout)
     sink_token: Optional[int] = None  # legolink0: the token compiled SINK_TOKENS times before each chunk
+    ratio: float = 0.0  # cacheblend: fraction of chunk tokens recomputed after the check layer
 
     @classmethod
     def of(cls, policy: str, chunks, sink_token: Optional[int] = None) -> LinkRequest:
-        base, k = split_policy(policy)
+        base, param = split_policy(policy)
         return cls(
-            policy=base, chunks=tuple((int(s), int(e)) for s, e in chunks), k=k,
+            policy=base, chunks=tuple((int(s), int(e)) for s, e in chunks),
+            k=int(param) if base == "legolink" else 0,
+            ratio=float(param) if base == "cacheblend" else 0.0,
             sink_token=sink_token if base == "legolink0" else None,
         )
 
@@ -100,6 +122,8 @@ class LinkRequest:
             previous_end = end
         if self.k < 0:
             raise LinkHintError(f"legolink k must be >= 0, got {self.k}")
+        if not 0.0 <= self.ratio <= 1.0:
+            raise LinkHintError(f"cacheblend ratio must be within [0, 1], got {self.ratio}")
         if self.policy == "legolink0" and self.sink_token is None:
             raise LinkHintError("legolink0 needs a sink_token (the frontend fills in the model's BOS)")
 
@@ -129,15 +153,17 @@ def parse_link_request(kv_hints: Any) -> Optional[LinkRequest]:
             payload = _field(action, "payload") or {}
             if not isinstance(payload, dict):
                 raise LinkHintError(f"{LINK_ACTION} payload must be an object")
-            policy, k_of_name = split_policy(str(payload.get("policy", "naive")))
+            policy, param = split_policy(str(payload.get("policy", "naive")))
             try:
                 chunks = tuple((int(s), int(e)) for s, e in payload.get("chunks", ()))
-                k = int(payload.get("k", k_of_name))
+                k = int(payload.get("k", param if policy == "legolink" else 0))
+                ratio = float(payload.get("ratio", param if policy == "cacheblend" else 0.0))
             except (TypeError, ValueError) as exc:
-                raise LinkHintError(f"malformed chunk spans or k: {exc}") from exc
+                raise LinkHintError(f"malformed chunk spans, k or ratio: {exc}") from exc
             sink = payload.get("sink_token")
             return LinkRequest(
-                policy=policy, chunks=chunks, k=k, layout=str(payload.get("layout", "original")),
+                policy=policy, chunks=chunks, k=k, ratio=ratio,
+                layout=str(payload.get("layout", "original")),
                 sink_token=int(sink) if isinstance(sink, int) else None,
             )
     return None
@@ -164,6 +190,8 @@ def hints_of(link: LinkRequest) -> dict:
     payload = {"policy": link.policy, "chunks": [list(c) for c in link.chunks]}
     if link.policy == "legolink":
         payload["k"] = link.k
+    if link.policy == "cacheblend":
+        payload["ratio"] = link.ratio
     if link.layout != "original":
         payload["layout"] = link.layout
     if link.sink_token is not None:

@@ -3,8 +3,8 @@
 SGLang already ships a per-request dict of cache details from the scheduler to the HTTP
 server (``meta_info.cached_tokens_details``); an AFTER hook on the one method that builds it
 adds picrag's flat fields (``picrag_policy``, ``picrag_chunk_hits``, ``picrag_chunk_misses``,
-``picrag_reused_tokens``, ``picrag_computed_tokens``). This is picrag's only patch of an SGLang
-function; tests/test_sglang_seams.py checks its signature.
+``picrag_reused_tokens``, ``picrag_computed_tokens``). tests/test_sglang_seams.py checks the
+signature of every function picrag hooks.
 """
 
 from __future__ import annotations

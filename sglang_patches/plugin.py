@@ -5,7 +5,10 @@ SGLang calls `register` early in its main, scheduler and detokenizer processes. 
 * the attention backend ``picrag_native`` (`--attention-backend picrag_native`): SGLang's
   torch_native backend with extend attention on real query rows only (sglang_patches.attention);
 * a hook that adds each request's chunk-cache accounting to ``meta_info`` (sglang_patches.meta_info);
-* a hook that runs reordered LegoLink prompts at their true positions (sglang_patches.positions).
+* a hook that runs reordered LegoLink prompts at their true positions (sglang_patches.positions);
+* hooks that run CacheBlend's selective recompute in the forward (sglang_patches.cacheblend);
+* a hook that keeps those per-forward annotations on the eager runner's copy of the batch
+  (sglang_patches.batch_annotations).
 """
 
 from __future__ import annotations
@@ -57,10 +60,12 @@ def register() -> None:
         )
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
-    from sglang_patches import attention, meta_info, positions
+    from sglang_patches import attention, batch_annotations, cacheblend, meta_info, positions
 
     if get_radix_cache_factory(RADIX_CACHE_BACKEND) is None:
         register_radix_cache_backend(RADIX_CACHE_BACKEND, _chunk_cache_factory)
     attention.register()
     meta_info.register()
     positions.register()
+    cacheblend.register()
+    batch_annotations.register()

@@ -1,4 +1,5 @@
-"""LegoLink (EPIC) inside SGLang's forward: exact limits, exact token counts, batched with others."""
+"""LegoLink (EPIC) inside SGLang's forward: exact limits, exact token counts, batched with others
+(CacheBlend among them)."""
 
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ def test_legolink_16_computes_16_tokens_per_chunk_and_changes_answers(picrag_ser
 def test_mixed_batch_matches_each_request_alone(picrag_server, layout, musique):
     row = musique[52]
     prompts = [layout.build(row["question"], passages_of(row, order)) for order in ([0, 1, 2], [2, 0, 1], [1, 2])]
-    jobs = [(p, policy) for p in prompts for policy in ("full", "naive", "legolink:8", "prefix")]
+    jobs = [(p, policy) for p in prompts for policy in ("full", "naive", "legolink:8", "cacheblend", "prefix")]
     with picrag_server.client() as client:
         alone = [run(client, p, policy)["output_ids"] for p, policy in jobs]
         with ThreadPoolExecutor(max_workers=len(jobs)) as workers:

@@ -42,3 +42,25 @@ def test_plugin_registers_cache_and_attention_backends():
     plugin.register()
     assert get_radix_cache_factory(plugin.RADIX_CACHE_BACKEND) is not None
     assert "picrag_native" in ATTENTION_BACKENDS and "picrag_native" in ATTENTION_BACKEND_CHOICES
+
+
+def test_signatures_of_the_forward_hooks():
+    from sglang_patches import batch_annotations, cacheblend, positions
+
+    assert positions.HOOK_TARGET == cacheblend.INIT_HOOK_TARGET
+    init_new = resolve(positions.HOOK_TARGET)
+    assert list(inspect.signature(init_new).parameters)[:2] == ["batch", "model_runner"]
+    load_batch = resolve(batch_annotations.HOOK_TARGET)
+    assert list(inspect.signature(load_batch).parameters)[:3] == ["self", "forward_batch", "pp_proxy_tensors"]
+    for target in cacheblend.LAYER_HOOK_TARGETS:
+        layer_forward = resolve(target)
+        assert list(inspect.signature(layer_forward).parameters)[:4] == [
+            "self", "positions", "hidden_states", "forward_batch"
+        ]
+    from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
+
+    for name in ("stream_of", "clear", "set_written"):
+        assert callable(getattr(residual_batch, name))
+    from sglang.srt.layers.layer_boundary.residual.stream import ResidualStream
+
+    assert list(inspect.signature(ResidualStream.snapshot).parameters) == ["self", "hidden"]

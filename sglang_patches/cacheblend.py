@@ -1,0 +1,240 @@
+"""CacheBlend-r inside SGLang's forward: selective recompute of the chunk tokens that drift most.
+
+A ``cacheblend`` request reaches the forward with its head as cached prefix and every other
+token (chunks and question) as extend tokens, in the original order. Then, per CacheBlend
+(DESIGN.md §2):
+
+1. When the forward batch is built, each chunk token's extend slot receives the chunk's cached
+   KV (looked up in the chunk store by content, keys rotated to the token's position) for the
+   layers after the check layer, and the cached check-layer V is kept aside.
+2. Layers 0 and 1 (``CHECK_LAYER``) run on every token, writing fresh KV for all of them.
+3. After the check layer, chunk tokens are ranked by sum((V_fresh - V_cached)^2) over heads and
+   dims; the top ``ratio`` of them, every non-chunk token (question, evicted chunks) and the
+   request's last token stay. The batch is shrunk to those rows: hidden states (through the
+   residual stream's handoff), positions, ``out_cache_loc`` and the extend lengths.
+4. Later layers compute the kept rows only; they attend to the whole row, where dropped chunk
+   tokens keep the cached KV written in step 1. The attention backend masks by position
+   (``QUERY_POSITIONS_ATTR``), since the kept rows are scattered through the row.
+
+The logits processor picks each request's last extend row from the shrunk lengths, so decoding
+and other requests in the batch are untouched. Hooks: an AFTER hook on ``ForwardBatch.init_new``
+(step 1) and an AROUND hook on the decoder layers of the supported models (steps 2-4).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CHECK_LAYER = 1
+PLAN_ATTR = "picrag_blend_plan"  # on a request, set by the chunk cache's match_prefix
+STATE_ATTR = "picrag_blend_state"  # on a forward batch that holds cacheblend requests
+# {batch index: positions of the request's extend rows that are computed} after the check layer.
+QUERY_POSITIONS_ATTR = "picrag_query_positions"
+
+INIT_HOOK_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+LAYER_HOOK_TARGETS = (
+    "sglang.srt.models.llama.LlamaDecoderLayer.forward",
+    "sglang.srt.models.qwen2.Qwen2DecoderLayer.forward",
+)
+
+
+@dataclass(frozen=True)
+class BlendSource:
+    """A span of the prompt whose cached KV is the stored chunk `chunk_tokens`."""
+
+    start: int
+    end: int
+    chunk_tokens: tuple[int, ...]
+
+
+@dataclass
+class BlendPlan:
+    cache: object  # the ChunkRadixCache holding the chunks
+    ratio: float
+    sources: list[BlendSource]
+    stats: object  # the request's LinkStats
+
+
+@dataclass
+class _BlendRows:
+    """One cacheblend request's extend rows in this forward batch."""
+
+    batch_index: int
+    candidates: torch.Tensor  # extend-row indices (within the request) that hold cached KV
+    cached_v: torch.Tensor  # [candidates, heads, dim]: the cache's check-layer V
+    ratio: float
+    stats: object
+
+
+@dataclass
+class BlendState:
+    kv_pool: object
+    requests: list[_BlendRows]
+    positions: Optional[torch.Tensor] = None  # the kept rows' positions, once shrunk
+    kept: dict[int, int] = field(default_factory=dict)
+
+
+def select_rows(deviation: torch.Tensor, candidates: torch.Tensor, length: int, ratio: float) -> torch.Tensor:
+    """Extend-row indices computed after the check layer: the top `ratio` of candidates by
+    deviation, every non-candidate row and the last row, ascending."""
+    keep = torch.ones(length, dtype=torch.bool)
+    keep[candidates] = False
+    n_top = min(len(candidates), math.ceil(ratio * len(candidates)))
+    if n_top:
+        keep[candidates[torch.topk(deviation, n_top).indices]] = True
+    keep[length - 1] = True
+    return keep.nonzero().squeeze(1)
+
+
+@torch.no_grad()
+def prepare_blend(forward_batch, _cls, batch, *_args, **_kwargs):
+    """AFTER hook on ForwardBatch.init_new: put the cached KV in place (step 1)."""
+    if not forward_batch.forward_mode.is_extend() or forward_batch.extend_prefix_lens_cpu is None:
+        return forward_batch
+    requests = []
+    kv_pool = None
+    starts = forward_batch.extend_start_loc.tolist()
+    for index, req in enumerate(batch.reqs):
+        plan: Optional[BlendPlan] = getattr(req, PLAN_ATTR, None)
+        if plan is None:
+            continue
+        kv_pool = plan.cache.kv_pool
+        rows = _place_cached_kv(
+            plan, forward_batch.extend_prefix_lens_cpu[index], forward_batch.extend_seq_lens_cpu[index],
+            forward_batch.out_cache_loc[starts[index] : starts[index] + forward_batch.extend_seq_lens_cpu[index]],
+        )
+        if rows is not None:
+            candidates, cached_v = rows
+            requests.append(_BlendRows(index, candidates, cached_v, plan.ratio, plan.stats))
+    if requests:
+        setattr(forward_batch, STATE_ATTR, BlendState(kv_pool=kv_pool, requests=requests))
+    return forward_batch
+
+
+def _place_cached_kv(plan: BlendPlan, prefix: int, length: int, extend_slots: torch.Tensor):
+    cache = plan.cache
+    pool = cache.kv_pool
+    rows, sources, deltas, locks = [], [], [], []
+    try:
+        for source in plan.sources:
+            lo, hi = max(source.start, prefix), min(source.end, prefix + length - 1)  # last row: always computed
+            if lo >= hi:
+                continue
+            found = cache._find_chunk(source.chunk_tokens)
+            if found is None:
+                continue  # evicted since the match: its tokens are simply computed
+            node, slots = found
+            locks.append(cache.lock(node))
+            rows.append(torch.arange(lo - prefix, hi - prefix))
+            sources.append(slots[lo - source.start : hi - source.start].to(torch.int64))
+            deltas.append(torch.full((hi - lo,), source.start, dtype=torch.int64))
+        plan.stats.chunk_hits = len(rows)
+        plan.stats.chunk_misses = len(plan.sources) - len(rows)
+        if not rows:
+            return None
+        rows_t, src, delta = torch.cat(rows), torch.cat(sources), torch.cat(deltas)
+        dst = extend_slots[rows_t].to(torch.int64)
+        cached_v = pool.get_value_buffer(pool.start_layer + CHECK_LAYER)[src].clone()
+        if plan.ratio < 1.0:
+            for layer_id in range(pool.start_layer + CHECK_LAYER + 1, pool.start_layer + pool.layer_num):
+                pool.get_value_buffer(layer_id)[dst] = pool.get_value_buffer(layer_id)[src]
+                k_buffer = pool.get_key_buffer(layer_id)
+                k_buffer[dst] = cache.shifter.shift_each(k_buffer[src], delta)
+    finally:
+        for lock in locks:
+            cache.unlock(lock)
+    return rows_t, cached_v
+
+
+def run_layer(original, layer, positions, hidden_states, forward_batch, *args, **kwargs):
+    """AROUND hook on a decoder layer's forward (steps 2-4)."""
+    state: Optional[BlendState] = getattr(forward_batch, STATE_ATTR, None)
+    if state is None:
+        return original(layer, positions, hidden_states, forward_batch, *args, **kwargs)
+    if state.positions is not None:
+        positions = state.positions
+    out = original(layer, positions, hidden_states, forward_batch, *args, **kwargs)
+    if state.positions is None and layer.self_attn.attn.layer_id == state.kv_pool.start_layer + CHECK_LAYER:
+        out = _shrink(state, forward_batch, positions, out)
+    return out
+
+
+@torch.no_grad()
+def _shrink(state: BlendState, forward_batch, positions: torch.Tensor, hidden_states):
+    from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
+
+    fresh_v = state.kv_pool.get_value_buffer(state.kv_pool.start_layer + CHECK_LAYER)
+    lengths = list(forward_batch.extend_seq_lens_cpu)
+    starts = forward_batch.extend_start_loc.tolist()
+    by_index = {rows.batch_index: rows for rows in state.requests}
+    kept_rows, new_lengths, query_positions = [], [], {}
+    for index, length in enumerate(lengths):
+        rows = by_index.get(index)
+        if rows is None:
+            keep = torch.arange(length)
+        else:
+            slots = forward_batch.out_cache_loc[starts[index] + rows.candidates].to(torch.int64)
+            deviation = (fresh_v[slots].float() - rows.cached_v.float()).square().sum(dim=(1, 2))
+            keep = select_rows(deviation, rows.candidates, length, rows.ratio)
+            dropped = length - len(keep)
+            rows.stats.reused_tokens += dropped
+            rows.stats.computed_tokens -= dropped
+            query_positions[index] = forward_batch.extend_prefix_lens_cpu[index] + keep.to(positions.device)
+        kept_rows.append(starts[index] + keep)
+        new_lengths.append(len(keep))
+    kept = torch.cat(kept_rows).to(positions.device)
+    _shrink_batch(forward_batch, kept, lengths, new_lengths)
+    state.positions = positions[kept]
+    forward_batch.positions = state.positions
+    setattr(forward_batch, QUERY_POSITIONS_ATTR, query_positions)
+    # The residual stream holds a pending (output, residual) pair for every row: fold it into
+    # one written residual and keep the selected rows (the stream's own eager-break handoff).
+    full = residual_batch.stream_of(forward_batch).snapshot(hidden_states)
+    residual_batch.clear(forward_batch)
+    return residual_batch.set_written(full[kept].contiguous(), forward_batch)
+
+
+def _shrink_batch(forward_batch, kept: torch.Tensor, lengths: list[int], new_lengths: list[int]) -> None:
+    device = forward_batch.extend_seq_lens.device
+    forward_batch.out_cache_loc = forward_batch.out_cache_loc[kept]
+    forward_batch.extend_seq_lens = torch.tensor(new_lengths, dtype=forward_batch.extend_seq_lens.dtype, device=device)
+    forward_batch.extend_seq_lens_cpu = new_lengths
+    starts = [0]
+    for length in new_lengths[:-1]:
+        starts.append(starts[-1] + length)
+    forward_batch.extend_start_loc = torch.tensor(starts, dtype=forward_batch.extend_start_loc.dtype, device=device)
+    forward_batch.extend_num_tokens = sum(new_lengths)
+    if forward_batch.extend_logprob_start_lens_cpu is not None:
+        # Input logprobs stay available for the tail that is always computed (the question).
+        forward_batch.extend_logprob_start_lens_cpu = [
+            max(0, new - (old - start))
+            for new, old, start in zip(new_lengths, lengths, forward_batch.extend_logprob_start_lens_cpu)
+        ]
+
+
+def blend_plan(cache, req, link, prefix_len: int, stats) -> Optional[BlendPlan]:
+    """The chunks of a cacheblend request that follow its matched prefix."""
+    prompt = req.origin_input_ids
+    sources = [
+        BlendSource(start, end, tuple(prompt[start:end]))
+        for start, end in link.chunks
+        if end > prefix_len
+    ]
+    if not sources:
+        return None
+    return BlendPlan(cache=cache, ratio=link.ratio, sources=sources, stats=stats)
+
+
+def register() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(INIT_HOOK_TARGET, prepare_blend, HookType.AFTER)
+    for target in LAYER_HOOK_TARGETS:
+        HookRegistry.register(target, run_layer, HookType.AROUND)
