@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -34,7 +34,7 @@ from rag_server.openai_chat import rag_chat_completion
 from rag_server.rag_api import MAX_BODY_BYTES
 from rag_server.rag_api import router as rag_router
 from rag_server.rag_service import DEFAULT_POLICY, RagService
-from sglang_patches.link_hints import POLICIES, LinkHintError, parse_link_request, runtime_request
+from sglang_patches.link_hints import LinkHintError, parse_link_request, runtime_request, split_policy
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +137,7 @@ def create_app(
     model_path: Path | None = None,
     index_dir: Path | None = None,
     default_policy: str = DEFAULT_POLICY,
+    unavailable_policies: Mapping[str, str] | None = None,
     api_key: str | None = None,
     cors_origins: Sequence[str] = (),
     max_inflight: int = DEFAULT_MAX_INFLIGHT,
@@ -146,9 +147,15 @@ def create_app(
     gives the tokenizer and context window; `index_dir` the passage index to retrieve from.
     `api_key`: required on every route but /health; `cors_origins`: browser origins allowed
     (none: no CORS headers); `max_inflight` requests run at once, `max_queue` more wait, 503
-    beyond (rag_server/admission.py)."""
-    if default_policy not in POLICIES:
-        raise ValueError(f"unknown default policy {default_policy!r}; known: {', '.join(POLICIES)}")
+    beyond (rag_server/admission.py). `unavailable_policies`: policy family -> why this server
+    refuses it (cacherepair without a checkpoint for the model)."""
+    unavailable = dict(unavailable_policies or {})
+    try:
+        default_family, _ = split_policy(default_policy)
+    except LinkHintError as exc:
+        raise ValueError(f"default policy: {exc}") from exc
+    if default_family in unavailable:
+        raise ValueError(f"default policy {default_policy!r} is unavailable: {unavailable[default_family]}")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -169,6 +176,7 @@ def create_app(
                 await _context_limits(app.state.client, model_dir),
                 retriever=retriever,
                 default_policy=default_policy,
+                unavailable_policies=unavailable,
             )
             app.state.special_prefix = leading_special_tokens(tokenizer)
             yield
@@ -256,6 +264,7 @@ def create_app(
                         "picrag.link chunk spans index input_ids: send one prompt as a flat input_ids list"
                     )
                 link.validate(len(input_ids))
+                app.state.rag.check_available(link.policy)
         except LinkHintError as exc:
             return JSONResponse({"error": {"message": str(exc), "type": "invalid_kv_hints"}}, 400)
         if link is not None and not link.compile:

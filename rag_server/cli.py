@@ -24,6 +24,16 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _policy_name(text: str) -> str:
+    from sglang_patches.link_hints import LinkHintError, split_policy
+
+    try:
+        split_policy(text)
+    except LinkHintError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -32,7 +42,15 @@ def _serve(args: argparse.Namespace) -> int:
     from rag_server.model_store import resolve_model
     from rag_server.runtime import RuntimeConfig, SGLangRuntime
 
+    from cache_repair.checkpoint import RepairCheckpointError
+    from rag_server.repair_checkpoint import choose_repair_checkpoint
+
     model_path = resolve_model(args.model)
+    try:
+        repair_checkpoint, repair_unavailable = choose_repair_checkpoint(model_path, args.repair_checkpoint)
+    except RepairCheckpointError as exc:
+        print(f"picrag serve: error: {exc}", file=sys.stderr)
+        return 2
     runtime = SGLangRuntime(
         RuntimeConfig(
             model_path=model_path,
@@ -46,6 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
             log_level=args.runtime_log_level,
             extra_args=shlex.split(args.runtime_args),
             chunk_store=args.chunk_store,
+            repair_checkpoint=repair_checkpoint,
         ),
         log_file=args.runtime_log,
     )
@@ -60,6 +79,7 @@ def _serve(args: argparse.Namespace) -> int:
         logger.info("picrag frontend listening on http://%s:%d (runtime %s)", args.host, args.port, runtime.url)
         app = create_app(runtime.url, model_path=model_path, index_dir=args.index,
                          default_policy=args.default_policy,
+                         unavailable_policies={"cacherepair": repair_unavailable} if repair_unavailable else {},
                          api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                          cors_origins=args.cors_origin, max_inflight=args.max_inflight,
                          max_queue=args.max_queue)
@@ -146,13 +166,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--chunk-store", type=Path, default=None, metavar="DIR",
                        help="persist compiled chunk KV under DIR and reload it after a restart "
                        "(keyed by a model fingerprint; corrupt or foreign files are ignored)")
+    serve.add_argument("--repair-checkpoint", type=Path, default=None, metavar="DIR",
+                       help="CacheRepair checkpoint for policy cacherepair (default: the one shipped "
+                       "for the model in cache_repair/checkpoints, if it matches; a checkpoint "
+                       "trained for another model is refused)")
     serve.add_argument("--runtime-args", default="",
                        help="extra arguments for SGLang's launch_server, e.g. \"--disable-overlap-schedule\"")
     serve.add_argument("--start-timeout", type=float, default=600.0)
     serve.add_argument("--index", type=Path, default=None, metavar="DIR",
                        help="passage index (`picrag index build`) that /rag/query retrieves from")
-    serve.add_argument("--default-policy", default=DEFAULT_POLICY, choices=POLICIES,
-                       help=f"link policy of requests that name none (default {DEFAULT_POLICY})")
+    serve.add_argument("--default-policy", default=DEFAULT_POLICY, type=_policy_name,
+                       help=f"link policy of requests that name none: {', '.join(POLICIES)}, "
+                       f"legolink:K or cacheblend:R (default {DEFAULT_POLICY}; 'full' = no reuse)")
     serve.add_argument("--api-key", default=None, metavar="KEY",
                        help=f"require `Authorization: Bearer KEY` (or `X-API-Key: KEY`) on every route "
                        f"but /health (default: ${API_KEY_ENV}, which keeps the key out of `ps`; "
@@ -176,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--out", type=Path, required=True, metavar="ANSWERS.jsonl",
                      help="answers, one JSON object a line (appended to)")
     ask.add_argument("--url", default="http://127.0.0.1:8000", help="picrag server (default %(default)s)")
-    ask.add_argument("--policy", choices=POLICIES, default=None, help="link policy (default: the server's)")
+    ask.add_argument("--policy", type=_policy_name, default=None, help="link policy, e.g. legolink:16 (default: the server's)")
     source = ask.add_mutually_exclusive_group()
     source.add_argument("--index", type=Path, default=None, metavar="DIR",
                         help="retrieve from this local index instead of using the rows' passages")
@@ -209,6 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
     from retrieval.cli import register as register_index_commands
 
     register_index_commands(commands)
+
+    from cache_repair.cli import register as register_repair_commands
+
+    register_repair_commands(commands)
     return parser
 
 

@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rag_server.context_window import ContextLimits, PromptTooLong, ScoredPassage, fit_passages
 from rag_server.linked_generation import LinkedGenerator
 from rag_server.prompt_layout import DEFAULT_SYSTEM_PROMPT, CompiledPrompt, PromptLayout, Tokenizer
+from sglang_patches.link_hints import LinkHintError, split_policy
 
 if TYPE_CHECKING:
     from retrieval.retriever import Retriever
 
 # The link policy when a request names none; becomes legolink once the engine has it.
-DEFAULT_POLICY = "naive"
+# LegoLink with k = 16 (EPIC's serving point): answers close to full prefill at a fraction of
+# its cost; "full" is one flag away (picrag serve --default-policy full).
+DEFAULT_POLICY = "legolink"
 DEFAULT_TOP_K = 5
 
 
@@ -116,13 +119,22 @@ class RagService:
         limits: ContextLimits,
         retriever: Retriever | None = None,
         default_policy: str = DEFAULT_POLICY,
+        unavailable_policies: Mapping[str, str] | None = None,
     ):
         self.tokenizer = tokenizer
         self.generator = generator
         self.limits = limits
         self.retriever = retriever
         self.default_policy = default_policy
+        self.unavailable_policies = dict(unavailable_policies or {})
         self.layout = PromptLayout(tokenizer)
+
+    def check_available(self, policy: str) -> None:
+        """Raises LinkHintError for a policy this server cannot run (cacherepair without a
+        checkpoint for the model)."""
+        family, _ = split_policy(policy)
+        if family in self.unavailable_policies:
+            raise LinkHintError(f"policy {family!r} is unavailable on this server: {self.unavailable_policies[family]}")
 
     def _layout(self, request: RagRequest) -> PromptLayout:
         if request.system_prompt is None and not request.history:
@@ -143,6 +155,10 @@ class RagService:
 
     async def plan(self, request: RagRequest) -> RagPlan:
         started = time.perf_counter()
+        try:
+            self.check_available(request.policy)
+        except LinkHintError as exc:
+            raise RagRequestError(str(exc)) from exc
         if request.documents is None:
             candidates, retrieval_ms = await self.retrieve(request.question, request.top_k or DEFAULT_TOP_K)
         else:

@@ -21,6 +21,7 @@ and stores nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from array import array
@@ -34,6 +35,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sglang_patches.cacheblend import PLAN_ATTR, blend_plan
 from sglang_patches.disk_chunk_store import CorruptChunkFile, DiskChunkStore
+from sglang_patches.kv_repair import RepairSpan, repair_spans
 from sglang_patches.legolink_layout import legolink_layout
 from sglang_patches.link_hints import (
     CHUNK_POLICIES,
@@ -93,6 +95,7 @@ class LinkStats:
 class _Graft:
     source_slots: torch.Tensor
     shift: int
+    repair: Optional[RepairSpan] = None  # cacherepair: the chunk this graft is part of
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,7 @@ class ChunkRadixCache(RadixCache):
         shifter: KeyShifter,
         counters: Optional[CacheCounters] = None,
         disk_store: Optional[DiskChunkStore] = None,
+        repairer=None,
     ):
         if params.page_size != 1:
             raise ValueError(f"picrag's chunk cache needs page_size 1, got {params.page_size}")
@@ -133,6 +137,7 @@ class ChunkRadixCache(RadixCache):
         self.shifter = shifter
         self.counters = counters or CacheCounters()
         self.disk_store = disk_store
+        self.repairer = repairer  # cache_repair.KVRepairer for policy cacherepair, or None
 
     # ---- request routing -------------------------------------------------------------
 
@@ -152,6 +157,10 @@ class ChunkRadixCache(RadixCache):
             # rather than taking the scheduler down.
             logger.warning("request %s: ignoring invalid picrag hint: %s", req.rid, exc)
             link = None
+        if link is not None and link.policy == "cacherepair" and self.repairer is None:
+            # The frontend refuses cacherepair without a checkpoint; a raw /generate gets naive.
+            logger.warning("request %s: cacherepair without a repair checkpoint, serving it as naive", req.rid)
+            link = dataclasses.replace(link, policy="naive")
         setattr(req, _LINK_ATTR, link)
         if link is not None:
             if link.policy == "full" or (link.policy == "cacheblend" and not link.compile):
@@ -185,7 +194,8 @@ class ChunkRadixCache(RadixCache):
                 if found is not None:
                     self.unlock(found[2])
             if link.policy in CHUNK_POLICIES and link.chunks and not self.disable:
-                self._graft_chunks(key, self._segments(req, link), stats, len(link.chunks))
+                repair = link.policy == "cacherepair" and self.repairer is not None
+                self._graft_chunks(key, self._segments(req, link), stats, len(link.chunks), repair)
             result = super().match_prefix(MatchPrefixParams(key=key, cow_mamba=params.cow_mamba, req=req))
             if link.policy == "cacheblend" and not link.compile and not self.disable:
                 setattr(req, PLAN_ATTR, blend_plan(self, req, link, result.device_prefix_len, stats))
@@ -300,11 +310,14 @@ class ChunkRadixCache(RadixCache):
         head = [_Segment(0, head_end, original[:head_end], 0, 0, False)] if head_end > 0 else []
         return head + [_Segment(*span, is_chunk=True) for span in chunk_spans]
 
-    def _graft_chunks(self, key: RadixKey, segments: list[_Segment], stats: LinkStats, n_chunks: int) -> None:
+    def _graft_chunks(
+        self, key: RadixKey, segments: list[_Segment], stats: LinkStats, n_chunks: int, repair: bool = False
+    ) -> None:
         values, prefix_node = self._match_prefix_helper(self.root_node, key)
         matched = sum(len(v) for v in values)
         limit = len(key)
         grafts: list[_Graft] = []
+        context: list[RepairSpan] = []  # cacherepair: chunks on the path, seen by the network
         locks = [self.lock(prefix_node)]
         position = matched
         hits_on_path = sum(1 for seg in segments if seg.is_chunk and seg.end <= matched)
@@ -312,7 +325,11 @@ class ChunkRadixCache(RadixCache):
         try:
             for seg in segments:
                 if seg.end <= matched:
-                    continue  # already on this prompt's path in the tree
+                    # Already on this prompt's path in the tree.
+                    if repair and seg.is_chunk and (found := self.lookup_chunk(seg.chunk_tokens)) is not None:
+                        locks.append(found[2])
+                        context.append(RepairSpan(found[1], seg.chunk_tokens, seg.shift))
+                    continue
                 if seg.start > position or position >= limit:
                     break  # ordinary tokens before this segment still need computing
                 found = self.lookup_chunk(seg.chunk_tokens)
@@ -322,10 +339,13 @@ class ChunkRadixCache(RadixCache):
                 locks.append(lock)
                 take_end = min(seg.end, limit)
                 first = seg.chunk_offset + position - seg.start
-                grafts.append(_Graft(slots[first : first + take_end - position], shift=seg.shift))
+                span = RepairSpan(slots, seg.chunk_tokens, seg.shift, first, take_end - position) if repair and seg.is_chunk else None
+                grafts.append(_Graft(slots[first : first + take_end - position], shift=seg.shift, repair=span))
                 stats.chunk_hits += seg.is_chunk
                 position = take_end
             new_slots = self._materialize(grafts) if grafts else None
+            if repair and new_slots is not None:
+                self._repair(context, grafts, new_slots)
         finally:
             for lock in locks:
                 self.unlock(lock)
@@ -341,6 +361,15 @@ class ChunkRadixCache(RadixCache):
         assert inserted.prefix_len == matched, (inserted.prefix_len, matched)
         stats.grafted_tokens = len(new_slots)
         self.counters.add("grafted_tokens", len(new_slots))
+
+    def _repair(self, context: list[RepairSpan], grafts: list[_Graft], new_slots: torch.Tensor) -> None:
+        offset = 0
+        for graft in grafts:
+            if graft.repair is not None:
+                graft.repair.new_slots = new_slots[offset : offset + len(graft.source_slots)]
+            offset += len(graft.source_slots)
+        spans = context + [g.repair for g in grafts if g.repair is not None]
+        self.counters.add("repaired_tokens", repair_spans(self.repairer, self.kv_pool, self.shifter, spans))
 
     def _materialize(self, grafts: list[_Graft]) -> Optional[torch.Tensor]:
         """Fresh slots holding the grafts' KV shifted to their offsets; None if the pool is full.

@@ -39,8 +39,10 @@ PROTOCOL_VERSION = "1"
 # cacheblend: layers 0 and 1 on every token, then only the fraction r of chunk tokens whose
 #   layer-1 V deviates most from the cache (plus the question) in later layers (CacheBlend);
 #   "cacheblend:R" names r, "cacheblend" means r = DEFAULT_CACHEBLEND_RATIO.
-POLICIES = ("full", "prefix", "naive", "legolink", "legolink0", "cacheblend")
-CHUNK_POLICIES = ("naive", "legolink", "legolink0", "cacheblend")
+# cacherepair: naive, plus a learned residual on every chunk token's K and V (CacheRepair); needs
+#   a checkpoint trained for the served model (picrag serve --repair-checkpoint).
+POLICIES = ("full", "prefix", "naive", "legolink", "legolink0", "cacheblend", "cacherepair")
+CHUNK_POLICIES = ("naive", "legolink", "legolink0", "cacheblend", "cacherepair")
 SINK_TOKENS = 3
 DEFAULT_LEGOLINK_K = 16
 DEFAULT_CACHEBLEND_RATIO = 0.15

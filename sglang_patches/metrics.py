@@ -17,6 +17,7 @@ COUNTER_NAMES = {
     "compile_computed_tokens": "chunk tokens computed by compile requests",
     "grafted_tokens": "chunk tokens re-positioned into linked prompts",
     "graft_skipped_pool_full": "grafts skipped because the KV pool was full",
+    "repaired_tokens": "grafted chunk tokens corrected by the CacheRepair network",
     "disk_saves": "compiled chunks written to the disk chunk store",
     "disk_loads": "chunks reloaded from the disk chunk store",
     "disk_rejects": "persisted chunk files found corrupt or foreign and ignored",

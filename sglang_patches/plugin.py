@@ -37,15 +37,20 @@ def _disk_store(ctx, kv_pool):
 
 
 def _chunk_cache_factory(ctx):
+    from pathlib import Path
+
     from sglang_patches.chunk_cache import ChunkRadixCache
     from sglang_patches.metrics import prometheus_counters
     from sglang_patches.rope_shift import KeyShifter
+
+    from sglang_patches.kv_repair import load_engine_repairer
 
     model = ctx.tp_worker.model_runner.model
     kv_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
     cache = ChunkRadixCache(
         ctx.params, kv_pool=kv_pool, shifter=KeyShifter.from_model(model),
         counters=prometheus_counters(), disk_store=_disk_store(ctx, kv_pool),
+        repairer=load_engine_repairer(Path(ctx.server_args.model_path)),
     )
     logger.info("picrag chunk radix cache active (pool of %d tokens)", kv_pool.size)
     return cache

@@ -78,9 +78,34 @@ def stop_picrag_server(handle: ServerHandle) -> None:
 
 
 @pytest.fixture(scope="session")
-def picrag_server(default_model_dir: Path, tmp_path_factory) -> ServerHandle:
+def zero_repair_checkpoint(default_model_dir: Path, tmp_path_factory) -> Path:
+    """A CacheRepair checkpoint for the default model whose network is untrained: its output
+    head is zero-initialised, so it repairs nothing (cacherepair must then equal naive)."""
+    import torch
+
+    from cache_repair.checkpoint import save_checkpoint
+    from cache_repair.config import RepairConfig, read_token_embedding
+    from cache_repair.network import RepairNetwork
+    from cache_repair.normalization import KVStats
+    from sglang_patches.disk_chunk_store import model_fingerprint
+
+    config = RepairConfig.for_model(default_model_dir, width=32, blocks=1)
+    shape = (config.num_layers, config.num_kv_heads, 2, config.head_dim)
+    directory = tmp_path_factory.mktemp("zero-repair")
+    save_checkpoint(
+        directory, RepairNetwork(config, read_token_embedding(default_model_dir)), config,
+        KVStats(torch.ones(shape), torch.ones(shape)), model_fingerprint(default_model_dir, torch.float32),
+        {"steps": 0},
+    )
+    return directory
+
+
+@pytest.fixture(scope="session")
+def picrag_server(default_model_dir: Path, zero_repair_checkpoint: Path, tmp_path_factory) -> ServerHandle:
     """`picrag serve` on the default model, shared by the whole session."""
     log = tmp_path_factory.mktemp("server") / "server.log"
-    handle = start_picrag_server(log, ["--max-total-tokens", "16384"])
+    handle = start_picrag_server(
+        log, ["--max-total-tokens", "16384", "--repair-checkpoint", str(zero_repair_checkpoint)]
+    )
     yield handle
     stop_picrag_server(handle)

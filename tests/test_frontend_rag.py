@@ -79,8 +79,8 @@ def test_reuse_counters_full_versus_naive(client, layout):
     assert 0 < timings["compile_ms"] <= timings["ttft_ms"] <= timings["total_ms"]
 
 
-def test_default_policy_is_naive(client):
-    assert rag_query(client, question="Where is Big Ben?", documents=DOCUMENTS)["policy"] == "naive"
+def test_default_policy_is_legolink(client):
+    assert rag_query(client, question="Where is Big Ben?", documents=DOCUMENTS)["policy"] == "legolink"
 
 
 def test_streaming_sends_tokens_then_a_final_event_equal_to_the_plain_answer(client):

@@ -182,3 +182,17 @@ def test_cli_serve_and_ask_options():
     assert args.url == "http://127.0.0.1:8000" and args.limit == 5 and args.policy is None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["ask", "--questions", "q", "--out", "a", "--policy", "bogus"])
+
+
+def test_a_policy_the_server_cannot_run_is_refused_with_the_reason(tokenizer):
+    service = RagService(tokenizer, generator=None, limits=ContextLimits(8192, 8186),
+                         unavailable_policies={"cacherepair": "no CacheRepair checkpoint for model x"})
+    with pytest.raises(RagRequestError, match="'cacherepair' is unavailable on this server: no CacheRepair checkpoint"):
+        asyncio.run(service.plan(RagRequest(QUESTION, "cacherepair", 8, documents=PASSAGES)))
+    assert asyncio.run(service.plan(RagRequest(QUESTION, "legolink:4", 8, documents=PASSAGES))).passages
+
+
+def test_cli_policy_names_take_parameters():
+    assert build_parser().parse_args(["serve", "--default-policy", "cacheblend:0.3"]).default_policy == "cacheblend:0.3"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--default-policy", "legolink:x"])

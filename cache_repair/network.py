@@ -1,0 +1,143 @@
+"""The CacheRepair network: stale chunk KV in, a normalised residual for every layer out.
+
+Tokens of one request (all chunks concatenated in prompt order) form one sequence. Each
+token's stale K and V of every (layer, kv-head) are compressed to a few numbers, projected to
+the network width and fused with the LLM's frozen token embedding. The blocks attend
+bidirectionally inside a chunk and causally from earlier chunks to later ones: a chunk's
+error comes from the context it did not see, which is exactly the earlier chunks. Stale
+features are re-injected before every block through zero-initialised projections, and the
+output head is zero-initialised, so an untrained network repairs nothing (residual exactly 0)
+and training starts from the stale cache rather than from noise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cache_repair.config import RepairConfig
+from cache_repair.normalization import KVStats
+
+
+def chunk_attention_mask(chunk_ids: torch.Tensor) -> torch.Tensor:
+    """[T, T] bool, True where token i may attend to token j: chunk_ids[j] <= chunk_ids[i]."""
+    return chunk_ids[None, :] <= chunk_ids[:, None]
+
+
+class GroupedLinear(nn.Module):
+    """One independent D -> out linear map per (layer, head, K|V) stream, as one einsum."""
+
+    def __init__(self, groups: int, in_dim: int, out_dim: int):
+        super().__init__()
+        bound = 1.0 / math.sqrt(in_dim)
+        self.weight = nn.Parameter(torch.empty(groups, in_dim, out_dim).uniform_(-bound, bound))
+        self.bias = nn.Parameter(torch.zeros(groups, out_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, groups, in_dim] -> [T, groups, out_dim]."""
+        return torch.einsum("tgd,gdc->tgc", x, self.weight) + self.bias
+
+
+def zero_linear(in_dim: int, out_dim: int) -> nn.Linear:
+    layer = nn.Linear(in_dim, out_dim)
+    nn.init.zeros_(layer.weight)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block with an explicit boolean attention mask."""
+
+    def __init__(self, width: int, heads: int, ffn_mult: int):
+        super().__init__()
+        self.heads = heads
+        self.attn_norm = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ffn_norm = nn.LayerNorm(width)
+        self.ffn = nn.Sequential(nn.Linear(width, ffn_mult * width), nn.GELU(), nn.Linear(ffn_mult * width, width))
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        tokens, width = h.shape
+        q, k, v = self.qkv(self.attn_norm(h)).view(tokens, 3, self.heads, width // self.heads).unbind(1)
+        attended = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask
+        )
+        h = h + self.proj(attended.transpose(0, 1).reshape(tokens, width))
+        return h + self.ffn(self.ffn_norm(h))
+
+
+class RepairNetwork(nn.Module):
+    def __init__(self, config: RepairConfig, embedding: torch.Tensor):
+        super().__init__()
+        if tuple(embedding.shape) != (config.vocab_size, config.embed_dim):
+            raise ValueError(
+                f"token embedding is {tuple(embedding.shape)}, the config expects "
+                f"({config.vocab_size}, {config.embed_dim})"
+            )
+        self.config = config
+        # The LLM's own frozen embeddings: large, and recoverable from the model folder.
+        self.register_buffer("embedding", embedding.detach().float(), persistent=False)
+        c = config
+        compressed = c.kv_groups * c.compress_dim
+        self.compress = GroupedLinear(c.kv_groups, c.head_dim, c.compress_dim)
+        self.stale_in = nn.Linear(compressed, c.width)
+        self.token_in = nn.Linear(c.embed_dim, c.width)
+        self.reinject = nn.ModuleList(zero_linear(compressed, c.width) for _ in range(c.blocks))
+        self.blocks = nn.ModuleList(Block(c.width, c.attn_heads, c.ffn_mult) for _ in range(c.blocks))
+        self.out_norm = nn.LayerNorm(c.width)
+        self.head = zero_linear(c.width, 2 * c.num_layers * c.num_kv_heads * c.head_dim)
+
+    def forward(
+        self, stale_k: torch.Tensor, stale_v: torch.Tensor, token_ids: torch.Tensor, chunk_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalised RoPE-free stale K/V [T, L, H, D] -> normalised residuals (res_k, res_v)."""
+        c = self.config
+        tokens = stale_k.shape[0]
+        streams = torch.stack((stale_k, stale_v), dim=3).reshape(tokens, c.kv_groups, c.head_dim)
+        features = self.compress(streams).reshape(tokens, -1)
+        h = self.stale_in(features) + self.token_in(self.embedding[token_ids])
+        mask = chunk_attention_mask(chunk_ids)
+        for reinject, block in zip(self.reinject, self.blocks):
+            h = block(h + reinject(features), mask)
+        out = self.head(self.out_norm(h)).view(tokens, c.num_layers, c.num_kv_heads, 2, c.head_dim)
+        return out[..., 0, :], out[..., 1, :]
+
+    def trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+
+class KVRepairer:
+    """A trained network with its normalisation statistics, in raw RoPE-free coordinates."""
+
+    def __init__(self, network: RepairNetwork, stats: KVStats, fingerprint: str):
+        self.network = network.eval()
+        self.stats = stats
+        self.fingerprint = fingerprint
+
+    @property
+    def config(self) -> RepairConfig:
+        return self.network.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.network.embedding.device
+
+    def to(self, device: torch.device | str) -> KVRepairer:
+        self.network.to(device)
+        self.stats = self.stats.to(device)
+        return self
+
+    @torch.no_grad()
+    def residual(
+        self, stale_k: torch.Tensor, stale_v: torch.Tensor, token_ids: torch.Tensor, chunk_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw RoPE-free stale K/V [T, L, H, D] -> raw residuals (float32, on the repairer's
+        device): repaired = stale + residual, before re-rotating K to its global positions."""
+        device = self.device
+        k, v = self.stats.normalise(stale_k.to(device, torch.float32), stale_v.to(device, torch.float32))
+        res_k, res_v = self.network(k, v, token_ids.to(device), chunk_ids.to(device))
+        return self.stats.denormalise_residual(res_k, res_v)

@@ -1,0 +1,230 @@
+"""Training and evaluation of a repair network on the pairs of `cache_repair.pairs`.
+
+One step is one group (one request's chunks). The loss is the MSE between the network's
+output and (joint - stale) / delta_sigma in normalised RoPE-free coordinates, over every
+chunk token, layer, head, K and V. The out dir holds a resumable training state
+(train_state.pt: network, optimizer, scheduler, step, statistics) written at every
+validation, and at the end the checkpoint that serving loads (`cache_repair.checkpoint`).
+
+Quality is reported as the per-layer relative KV error ||repaired - joint|| / ||stale - joint||
+over a split: 1.0 is the stale cache, 0.0 a perfect repair.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from cache_repair.checkpoint import save_checkpoint
+from cache_repair.config import RepairConfig, TrainOptions, read_token_embedding
+from cache_repair.network import RepairNetwork
+from cache_repair.normalization import CONTEXT_FREE_RATIO, KVStats, KVStatsAccumulator
+from cache_repair.pairs import Pair, pairs_model, read_manifest, shard_paths
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "train_state.pt"
+LOG_FILE = "train_log.jsonl"
+
+
+class TrainError(ValueError):
+    pass
+
+
+def lr_factor(step: int, options: TrainOptions) -> float:
+    """Linear warm-up to the full rate, then cosine decay to 0 at the last step."""
+    if step < options.warmup:
+        return (step + 1) / options.warmup
+    progress = (step - options.warmup) / max(1, options.steps - options.warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def compute_stats(paths: list[Path]) -> KVStats:
+    accumulator = KVStatsAccumulator()
+    for path in tqdm(paths, desc="KV statistics", unit="group"):
+        pair = Pair.load(path)
+        accumulator.add(pair.stale_k, pair.stale_v, pair.target_k, pair.target_v)
+    return accumulator.finish()
+
+
+def pair_outputs(network: RepairNetwork, stats: KVStats, pair: Pair) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prediction, target), both normalised and stacked as [2, T, L, H, D] (K, V)."""
+    stale_k, stale_v = stats.normalise(pair.stale_k, pair.stale_v)
+    target = torch.stack(stats.normalise_delta(pair.target_k - pair.stale_k, pair.target_v - pair.stale_v))
+    return torch.stack(network(stale_k, stale_v, pair.token_ids, pair.chunk_ids)), target
+
+
+@dataclass
+class Evaluation:
+    loss: float
+    tokens: int
+    groups: int
+    # Per layer; None where stale and joint agree (context-free layers: nothing to repair).
+    relative_k: list[float | None]
+    relative_v: list[float | None]
+    overall_k: float
+    overall_v: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RelativeError:
+    """Sums of squares per layer: residual error, stale error and stale magnitude."""
+
+    def __init__(self, layers: int):
+        self.sums = torch.zeros(3, 2, layers, dtype=torch.float64)  # [error|delta|stale, K|V, L]
+
+    def add(self, pair: Pair, res_k: torch.Tensor, res_v: torch.Tensor) -> None:
+        for i, (res, stale, target) in enumerate(((res_k, pair.stale_k, pair.target_k),
+                                                  (res_v, pair.stale_v, pair.target_v))):
+            delta = (target - stale).double()
+            for row, value in enumerate((res.double() - delta, delta, stale.double())):
+                self.sums[row, i] += value.square().sum(dim=(0, 2, 3))
+
+    def ratios(self) -> tuple[list[float | None], list[float | None], float, float]:
+        error, delta, stale = self.sums
+        per_layer = (error / delta.clamp_min(1e-30)).sqrt()
+        repairable = delta.sqrt() >= CONTEXT_FREE_RATIO * stale.sqrt()
+        layers = [[float(r) if ok else None for r, ok in zip(per_layer[i], repairable[i])] for i in range(2)]
+        overall = [float((error[i][repairable[i]].sum() / delta[i][repairable[i]].sum().clamp_min(1e-30)).sqrt())
+                   for i in range(2)]
+        return layers[0], layers[1], overall[0], overall[1]
+
+
+@torch.no_grad()
+def evaluate(network: RepairNetwork, stats: KVStats, paths: list[Path]) -> Evaluation:
+    was_training = network.training
+    network.eval()
+    errors = RelativeError(network.config.num_layers)
+    loss_sum, elements, tokens = 0.0, 0, 0
+    for path in paths:
+        pair = Pair.load(path)
+        prediction, target = pair_outputs(network, stats, pair)
+        loss_sum += float(F.mse_loss(prediction, target, reduction="sum"))
+        elements += target.numel()
+        tokens += pair.tokens
+        errors.add(pair, *stats.denormalise_residual(prediction[0], prediction[1]))
+    network.train(was_training)
+    rel_k, rel_v, overall_k, overall_v = errors.ratios()
+    return Evaluation(loss_sum / elements, tokens, len(paths), rel_k, rel_v, overall_k, overall_v)
+
+
+@dataclass
+class Trainer:
+    pairs_dir: Path
+    out: Path
+    options: TrainOptions
+    model_dir: Path | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    def run(self, resume: bool = False) -> Evaluation:
+        manifest = read_manifest(self.pairs_dir)
+        model_dir, fingerprint = pairs_model(self.pairs_dir, self.model_dir)
+        train_paths, val_paths = shard_paths(self.pairs_dir, "train"), shard_paths(self.pairs_dir, "val")
+        config = RepairConfig.from_dict({**manifest["repair_config"], "width": self.options.width,
+                                         "blocks": self.options.blocks})
+        self.out.mkdir(parents=True, exist_ok=True)
+        state_path = self.out / STATE_FILE
+        state = self._load_state(state_path, resume)
+        stats = KVStats.from_tensors(state["stats"]) if state else compute_stats(train_paths)
+
+        torch.manual_seed(self.options.seed)
+        network = RepairNetwork(config, read_token_embedding(model_dir))
+        optimizer = torch.optim.AdamW(network.parameters(), lr=self.options.lr, betas=(0.9, 0.95), weight_decay=0.01)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, self.options))
+        start = 0
+        if state:
+            network.load_state_dict(state["network"])
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            start, self.history = state["step"], state["history"]
+            logger.info("resuming %s at step %d of %d", self.out, start, self.options.steps)
+        logger.info("repair network: %d trainable parameters, %d train / %d val groups",
+                    network.trainable_parameters(), len(train_paths), len(val_paths))
+
+        network.train()
+        running, final = None, None
+        with tqdm(range(start, self.options.steps), desc="picrag repair train", unit="step",
+                  initial=start, total=self.options.steps) as bar:
+            for step in bar:
+                pair = Pair.load(self._shard_at(step, train_paths))
+                prediction, target = pair_outputs(network, stats, pair)
+                loss = F.mse_loss(prediction, target)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(network.parameters(), 1.0)
+                optimizer.step()
+                scheduler.step()
+                value = loss.item()
+                running = value if running is None else 0.95 * running + 0.05 * value
+                bar.set_postfix(loss=f"{running:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
+                done = step + 1
+                if done % self.options.val_every == 0 or done == self.options.steps:
+                    final = self._validate(network, stats, val_paths, done, running)
+                    self._save_state(state_path, network, optimizer, scheduler, stats, done)
+
+        final = final or evaluate(network, stats, val_paths)
+        summary = {
+            "steps": self.options.steps, "options": asdict(self.options), "pairs": str(self.pairs_dir),
+            "train_groups": len(train_paths), "val_groups": len(val_paths),
+            "final_train_loss": self.history[-1]["train_loss"] if self.history else None,
+            "final_val_loss": final.loss, "val_relative_error": final.to_dict(),
+            "trainable_parameters": network.trainable_parameters(),
+        }
+        save_checkpoint(self.out, network, config, stats, fingerprint, summary)
+        logger.info("checkpoint written to %s (val loss %.4f, relative error K %.3f V %.3f)",
+                    self.out, final.loss, final.overall_k, final.overall_v)
+        return final
+
+    def _shard_at(self, step: int, paths: list[Path]) -> Path:
+        # A fixed permutation per epoch, so a resumed run sees the same order as an uninterrupted one.
+        epoch, index = divmod(step, len(paths))
+        order = list(range(len(paths)))
+        random.Random(f"{self.options.seed}:{epoch}").shuffle(order)
+        return paths[order[index]]
+
+    def _validate(self, network: RepairNetwork, stats: KVStats, val_paths: list[Path], step: int,
+                  train_loss: float | None) -> Evaluation:
+        result = evaluate(network, stats, val_paths)
+        entry = {"step": step, "train_loss": train_loss, "val_loss": result.loss,
+                 "val_relative_k": result.overall_k, "val_relative_v": result.overall_v}
+        self.history.append(entry)
+        with (self.out / LOG_FILE).open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+        logger.info("step %d: train loss %.4f, val loss %.4f, relative error K %.3f V %.3f",
+                    step, train_loss or float("nan"), result.loss, result.overall_k, result.overall_v)
+        return result
+
+    def _load_state(self, path: Path, resume: bool) -> dict[str, Any] | None:
+        if not path.is_file():
+            if resume:
+                logger.warning("no training state in %s: starting from scratch", self.out)
+            return None
+        if not resume:
+            raise TrainError(f"{self.out} already holds a training run: pass --resume or use another --out")
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if state["options"] != asdict(self.options):
+            changed = sorted(k for k, v in asdict(self.options).items() if state["options"].get(k) != v)
+            raise TrainError(f"--resume with other options than the saved run ({', '.join(changed)}); "
+                             f"saved: {state['options']}")
+        return state
+
+    def _save_state(self, path: Path, network: RepairNetwork, optimizer: torch.optim.Optimizer,
+                    scheduler: torch.optim.lr_scheduler.LRScheduler, stats: KVStats, step: int) -> None:
+        state = {"network": network.state_dict(), "optimizer": optimizer.state_dict(),
+                 "scheduler": scheduler.state_dict(), "stats": stats.tensors(), "step": step,
+                 "options": asdict(self.options), "history": self.history}
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        torch.save(state, tmp)
+        os.replace(tmp, path)

@@ -1,0 +1,90 @@
+"""The serving half of CacheRepair: a learned residual added to grafted chunk KV.
+
+A ``cacherepair`` request is grafted like ``naive`` (each chunk's stored keys rotated to the
+chunk's offset, values copied into fresh slots). Then the request's chunks go through the
+repair network in one pass: every chunk's stored K is rotated back to RoPE-free coordinates
+(stored at local positions 0..n-1), the network predicts a RoPE-free residual for every token,
+layer, K and V, and the grafted slots receive ``K + R(p) residual_K`` and ``V + residual_V``
+where p is the token's position in the prompt. ``R(p)(K_free + res) = shift(K_stored) +
+R(p) res``, so a zero residual leaves exactly naive's KV. Chunks already on the prompt's path
+(an earlier request with the same head and chunks repaired them) are context for the network
+but are not written again.
+
+The checkpoint comes from ``PICRAG_REPAIR_CHECKPOINT`` (`picrag serve --repair-checkpoint`);
+it is refused at start-up if it was trained for another model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+REPAIR_CHECKPOINT_ENV = "PICRAG_REPAIR_CHECKPOINT"
+
+
+def load_engine_repairer(model_path: Path):
+    """The KVRepairer named by PICRAG_REPAIR_CHECKPOINT, or None when none is configured."""
+    directory = os.environ.get(REPAIR_CHECKPOINT_ENV)
+    if not directory:
+        return None
+    from cache_repair.checkpoint import load_repairer
+    from cache_repair.config import read_token_embedding
+    from sglang_patches.disk_chunk_store import model_fingerprint
+
+    # Repairers are trained on fp32 KV; the fingerprint names the weights, not the serving dtype.
+    repairer = load_repairer(
+        Path(directory), read_token_embedding(model_path), model_fingerprint(model_path, torch.float32)
+    )
+    logger.info("CacheRepair checkpoint %s loaded (%d parameters)", directory,
+                repairer.network.trainable_parameters())
+    return repairer
+
+
+@dataclass
+class RepairSpan:
+    """One chunk of the request as the repair network sees it."""
+
+    stored_slots: torch.Tensor  # the stored chunk's slots (positions 0..n-1)
+    token_ids: list[int]
+    position: int  # prompt position of the chunk's first token
+    first: int = 0  # the grafted part of the chunk: tokens [first, first + count)
+    count: int = 0  # 0: context only (already on the prompt's path)
+    new_slots: Optional[torch.Tensor] = None  # where the grafted part lives
+
+
+@torch.no_grad()
+def repair_spans(repairer, kv_pool, shifter, spans: list[RepairSpan]) -> int:
+    """Add the network's residual to the grafted parts of `spans`; returns tokens repaired."""
+    if not any(span.count for span in spans):
+        return 0
+    layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)
+    slots = torch.cat([span.stored_slots for span in spans]).to(torch.int64)
+    local = torch.cat([torch.arange(len(span.stored_slots)) for span in spans])
+    stale_k = torch.stack([shifter.shift_each(kv_pool.get_key_buffer(layer)[slots], -local) for layer in layers], dim=1)
+    stale_v = torch.stack([kv_pool.get_value_buffer(layer)[slots] for layer in layers], dim=1)
+    token_ids = torch.tensor([t for span in spans for t in span.token_ids], dtype=torch.int64)
+    chunk_ids = torch.cat([torch.full((len(span.stored_slots),), i, dtype=torch.int64) for i, span in enumerate(spans)])
+    res_k, res_v = repairer.residual(stale_k, stale_v, token_ids, chunk_ids)
+
+    rows, dst, positions = [], [], []
+    start = 0
+    for span in spans:
+        if span.count:
+            rows.append(torch.arange(start + span.first, start + span.first + span.count))
+            dst.append(span.new_slots.to(torch.int64))
+            positions.append(torch.arange(span.position + span.first, span.position + span.first + span.count))
+        start += len(span.stored_slots)
+    rows_t, dst_t, positions_t = torch.cat(rows), torch.cat(dst), torch.cat(positions)
+    for index, layer in enumerate(layers):
+        k_buffer, v_buffer = kv_pool.get_key_buffer(layer), kv_pool.get_value_buffer(layer)
+        rotated = shifter.shift_each(res_k[rows_t, index].to(k_buffer.device), positions_t)
+        k_buffer[dst_t] = (k_buffer[dst_t].float() + rotated.float()).to(k_buffer.dtype)
+        v_buffer[dst_t] = (v_buffer[dst_t].float() + res_v[rows_t, index].to(v_buffer.device)).to(v_buffer.dtype)
+    return len(rows_t)

@@ -1,0 +1,107 @@
+"""CacheRepair served in the chunk cache: residuals land on the grafted slots, rotated to their
+positions; a zero-initialised network is exactly naive; checkpoints for other models are refused."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_patches.kv_repair import RepairSpan, repair_spans
+from sglang_patches.rope_shift import KeyShifter
+from tests.chunk_requests import counters, layout, musique, passages_of, picrag_meta
+from tests.test_legolink import first_token_top, run
+
+__all__ = ["layout", "musique"]  # fixtures, used by name
+
+LAYERS, HEADS, DIM = 2, 2, 8
+
+
+class FakePool:
+    start_layer, layer_num = 0, LAYERS
+
+    def __init__(self, slots: int):
+        generator = torch.Generator().manual_seed(0)
+        self.k = [torch.randn(slots, HEADS, DIM, generator=generator) for _ in range(LAYERS)]
+        self.v = [torch.randn(slots, HEADS, DIM, generator=generator) for _ in range(LAYERS)]
+
+    def get_key_buffer(self, layer):
+        return self.k[layer]
+
+    def get_value_buffer(self, layer):
+        return self.v[layer]
+
+
+class ConstantRepairer:
+    """Residual = token id / 100 everywhere: easy to predict, different per token."""
+
+    def residual(self, stale_k, stale_v, token_ids, chunk_ids):
+        self.seen = (stale_k.clone(), token_ids.clone(), chunk_ids.clone())
+        res = (token_ids.float() / 100)[:, None, None, None].expand_as(stale_k)
+        return res, 2 * res
+
+
+def rope_shifter() -> KeyShifter:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, DIM, 2).float() / DIM))
+    angles = torch.outer(torch.arange(64).float(), inv_freq)
+    return KeyShifter(torch.cat((angles.cos(), angles.sin()), dim=-1), DIM, DIM, is_neox_style=True)
+
+
+def test_repair_writes_rotated_residuals_on_grafted_slots_only():
+    pool, shifter, repairer = FakePool(32), rope_shifter(), ConstantRepairer()
+    context = RepairSpan(torch.tensor([0, 1, 2]), [7, 8, 9], position=4)
+    grafted = RepairSpan(torch.tensor([3, 4, 5, 6]), [10, 11, 12, 13], position=7, first=1, count=3,
+                         new_slots=torch.tensor([20, 21, 22]))
+    before_k = [k.clone() for k in pool.k]
+    before_v = [v.clone() for v in pool.v]
+    assert repair_spans(repairer, pool, shifter, [context, grafted]) == 3
+    stale_k, token_ids, chunk_ids = repairer.seen
+    assert token_ids.tolist() == [7, 8, 9, 10, 11, 12, 13] and chunk_ids.tolist() == [0, 0, 0, 1, 1, 1, 1]
+    # The network sees RoPE-free keys: stored keys rotated back by their local positions.
+    torch.testing.assert_close(stale_k[3:, 0], shifter.shift_each(before_k[0][[3, 4, 5, 6]], -torch.arange(4)))
+    for layer in range(LAYERS):
+        for row, slot in enumerate([20, 21, 22]):
+            token, position = 11 + row, 8 + row
+            res = torch.full((1, HEADS, DIM), token / 100)
+            expected_k = before_k[layer][slot] + shifter.shift(res, position)[0]
+            torch.testing.assert_close(pool.k[layer][slot], expected_k)
+            torch.testing.assert_close(pool.v[layer][slot], before_v[layer][slot] + 2 * token / 100)
+        untouched = [s for s in range(32) if s not in (20, 21, 22)]
+        assert torch.equal(pool.k[layer][untouched], before_k[layer][untouched])
+
+
+def test_nothing_grafted_nothing_repaired():
+    pool = FakePool(8)
+    assert repair_spans(ConstantRepairer(), pool, rope_shifter(), [RepairSpan(torch.tensor([0, 1]), [3, 4], 0)]) == 0
+
+
+def test_serve_refuses_a_checkpoint_for_another_model(tmp_path, default_model_dir, zero_repair_checkpoint):
+    from cache_repair.checkpoint import RepairCheckpointMismatch
+    from rag_server.repair_checkpoint import choose_repair_checkpoint
+
+    assert choose_repair_checkpoint(default_model_dir, zero_repair_checkpoint) == (zero_repair_checkpoint, None)
+    other_model = tmp_path / "other-model"
+    other_model.mkdir()
+    (other_model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2}')
+    with pytest.raises(RepairCheckpointMismatch, match="was trained for model fingerprint"):
+        choose_repair_checkpoint(other_model, zero_repair_checkpoint)
+    checkpoint, why = choose_repair_checkpoint(other_model, None)
+    assert checkpoint is None and "no CacheRepair checkpoint for model other-model" in why
+
+
+@pytest.mark.server
+def test_zero_initialised_repair_is_exactly_naive(picrag_server, layout, musique):
+    row = musique[57]
+    prompt = layout.build(row["question"], passages_of(row, [0, 1, 2]))
+    question_tokens = len(prompt.input_ids) - prompt.chunks[-1][1]
+    with picrag_server.client() as client:
+        before = counters(client).get("repaired_tokens", 0.0)
+        naive = run(client, prompt, "naive", top=True)
+        repaired = run(client, prompt, "cacherepair", top=True)
+        after = counters(client)["repaired_tokens"]
+    meta = picrag_meta(repaired)
+    assert meta["policy"] == "cacherepair" and meta["computed_tokens"] == question_tokens
+    assert after - before == prompt.chunk_tokens
+    assert repaired["output_ids"] == naive["output_ids"]
+    assert first_token_top(repaired) == first_token_top(naive)
