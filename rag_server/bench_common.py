@@ -28,7 +28,6 @@ import httpx
 
 from rag_server.prompt_layout import CompiledPrompt, PromptLayout, PromptPassage
 from sglang_patches.link_hints import (
-    POLICIES,
     LinkHintError,
     LinkRequest,
     compile_hints,
@@ -38,11 +37,6 @@ from sglang_patches.link_hints import (
 
 logger = logging.getLogger(__name__)
 
-# Policy families of DESIGN.md §2: a name the engine does not accept yet (split_policy raises)
-# but that is well-formed for one of these is reported "not implemented yet", never skipped.
-PLANNED_FAMILIES = ("legolink", "legolink0", "cacheblend", "cacherepair")
-
-
 class BenchError(RuntimeError):
     pass
 
@@ -50,27 +44,12 @@ class BenchError(RuntimeError):
 @dataclass(frozen=True)
 class PolicyChoice:
     name: str
-    reason: str | None = None  # why it cannot run; None when the engine knows it
+    reason: str | None = None  # why it cannot run; None when the engine knows it (a server
+    # without a CacheRepair checkpoint still refuses cacherepair: reported when it fails)
 
     @property
     def available(self) -> bool:
         return self.reason is None
-
-
-def _planned_problem(name: str) -> str | None:
-    """A well-formed name of a planned family: None; otherwise what is wrong with it."""
-    family, _, parameter = name.partition(":")
-    if family == "legolink":
-        return None if parameter.isdigit() else "legolink:K needs an integer K >= 0"
-    if family == "cacheblend":
-        try:
-            ratio = float(parameter)
-        except ValueError:
-            ratio = -1.0
-        return None if 0 < ratio <= 1 else "cacheblend:R needs a recompute ratio R in (0, 1]"
-    if family in ("legolink0", "cacherepair"):
-        return None if not parameter else f"{family} takes no parameter"
-    return "unknown policy"
 
 
 def parse_policies(text: str) -> list[PolicyChoice]:
@@ -79,12 +58,9 @@ def parse_policies(text: str) -> list[PolicyChoice]:
         if not name or any(c.name == name for c in choices):
             continue
         try:
-            split_policy(name)  # the engine's own parser: what it accepts is available
+            split_policy(name)  # the engine's own parser: what it accepts can run
         except LinkHintError as exc:
-            problem = _planned_problem(name)
-            reason = (f"not implemented in the engine yet (engine policies: {', '.join(POLICIES)})"
-                      if problem is None else f"{problem} ({exc}); planned: {', '.join(PLANNED_FAMILIES)}")
-            choices.append(PolicyChoice(name, reason))
+            choices.append(PolicyChoice(name, str(exc)))
         else:
             choices.append(PolicyChoice(name))
     if not choices:

@@ -269,7 +269,7 @@ def register(commands) -> None:
     quality.add_argument("--dataset", type=Path, required=True, metavar="FILE.jsonl",
                          help="shared QA format with inline passages (../shared/data/qa/*.dev.jsonl)")
     quality.add_argument("--policies", default="full,prefix,naive",
-                         help="comma-separated; unknown or not-yet-implemented ones are reported as unavailable")
+                         help="comma-separated; unknown ones, and ones the server refuses, are reported as unavailable")
     quality.add_argument("--limit", type=int, default=10, help="first N questions (default 10)")
     quality.add_argument("--max-passages", type=int, default=None, help="first N passages of each question")
     quality.add_argument("--max-tokens", type=int, default=32, help="new tokens per answer (default 32)")

@@ -43,7 +43,10 @@ def _serve(args: argparse.Namespace) -> int:
     from rag_server.runtime import RuntimeConfig, SGLangRuntime
 
     from cache_repair.checkpoint import RepairCheckpointError
+    from rag_server.policy_availability import default_policy, unavailable_policies
+    from rag_server.rag_service import DEFAULT_POLICY
     from rag_server.repair_checkpoint import choose_repair_checkpoint
+    from sglang_patches.link_hints import split_policy
 
     model_path = resolve_model(args.model)
     try:
@@ -69,6 +72,13 @@ def _serve(args: argparse.Namespace) -> int:
         log_file=args.runtime_log,
     )
 
+    unavailable = unavailable_policies(runtime.config.attention_backend, repair_unavailable)
+    policy = default_policy(args.default_policy, DEFAULT_POLICY, unavailable)
+    if split_policy(policy)[0] in unavailable:
+        print(f"picrag serve: error: --default-policy {policy} is unavailable: "
+              f"{unavailable[split_policy(policy)[0]]}", file=sys.stderr)
+        return 2
+
     def terminate(signum, _frame):
         raise SystemExit(128 + signum)
 
@@ -78,8 +88,8 @@ def _serve(args: argparse.Namespace) -> int:
         runtime.start(timeout_s=args.start_timeout)
         logger.info("picrag frontend listening on http://%s:%d (runtime %s)", args.host, args.port, runtime.url)
         app = create_app(runtime.url, model_path=model_path, index_dir=args.index,
-                         default_policy=args.default_policy,
-                         unavailable_policies={"cacherepair": repair_unavailable} if repair_unavailable else {},
+                         default_policy=policy,
+                         unavailable_policies=unavailable,
                          api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                          cors_origins=args.cors_origin, max_inflight=args.max_inflight,
                          max_queue=args.max_queue)
@@ -175,9 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--start-timeout", type=float, default=600.0)
     serve.add_argument("--index", type=Path, default=None, metavar="DIR",
                        help="passage index (`picrag index build`) that /rag/query retrieves from")
-    serve.add_argument("--default-policy", default=DEFAULT_POLICY, type=_policy_name,
+    serve.add_argument("--default-policy", default=None, type=_policy_name,
                        help=f"link policy of requests that name none: {', '.join(POLICIES)}, "
-                       f"legolink:K or cacheblend:R (default {DEFAULT_POLICY}; 'full' = no reuse)")
+                       f"legolink:K or cacheblend:R (default {DEFAULT_POLICY}, or naive where the attention "
+                       "backend cannot mask by position; 'full' = no reuse)")
     serve.add_argument("--api-key", default=None, metavar="KEY",
                        help=f"require `Authorization: Bearer KEY` (or `X-API-Key: KEY`) on every route "
                        f"but /health (default: ${API_KEY_ENV}, which keeps the key out of `ps`; "

@@ -4,11 +4,19 @@ This is the path the `/generate` handler takes for a `picrag.link` request (the 
 then the runtime's `/generate`), called in-process by the RAG routes instead of over HTTP.
 The runtime is always asked to stream, so the frontend sees the first token when it is
 produced and can report time to first token for streaming and non-streaming clients alike.
+
+Compile and link are two requests, so under memory pressure a chunk compiled for this prompt can
+be evicted before the link runs; the engine then computes it as ordinary tokens (correct, but
+not the policy asked for, and an answer that differs from the same request on a quiet server).
+The first streamed event already carries the link's chunk misses, so such a stream is dropped
+before any text leaves the frontend (dropping it aborts the request in the runtime), the chunks
+are compiled again and the link is retried, up to MAX_RELINKS times.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -17,7 +25,11 @@ from typing import Any
 import httpx
 
 from rag_server.chunk_compiler import ChunkCompiler, CompileError
-from sglang_patches.link_hints import LinkRequest, runtime_request
+from sglang_patches.link_hints import CHUNK_POLICIES, LinkRequest, runtime_request
+
+logger = logging.getLogger(__name__)
+
+MAX_RELINKS = 3
 
 
 class GenerationError(RuntimeError):
@@ -54,16 +66,32 @@ class LinkedGenerator:
     async def stream(
         self, input_ids: list[int], policy: str, chunks: Sequence[tuple[int, int]], sampling: dict[str, Any]
     ) -> AsyncIterator[RuntimeDelta]:
-        runtime_ids, hints = runtime_request(input_ids, LinkRequest.of(policy, chunks, self.sink_token))
+        """The generation of a prompt whose chunks `compile` has prepared."""
+        link = LinkRequest.of(policy, chunks, self.sink_token)
+        runtime_ids, hints = runtime_request(input_ids, link)
         body = {
             "input_ids": runtime_ids,
             "sampling_params": sampling,
             "stream": True,
             "kv_hints": hints,
         }
+        relinks = MAX_RELINKS if link.policy in CHUNK_POLICIES and link.chunks else 0
         try:
-            async for delta in self._stream(body):
-                yield delta
+            for attempt in range(relinks + 1):
+                deltas = self._stream(body)
+                first = await anext(deltas, None)
+                misses = (first.meta.get("cached_tokens_details") or {}).get("picrag_chunk_misses", 0) if first else 0
+                if misses and attempt < relinks:
+                    await deltas.aclose()
+                    logger.warning("%d chunk(s) evicted between compile and link: compiling again (retry %d)",
+                                   misses, attempt + 1)
+                    await self.compile(input_ids, policy, chunks)
+                    continue
+                if first is not None:
+                    yield first
+                async for delta in deltas:
+                    yield delta
+                return
         except httpx.HTTPError as exc:
             raise GenerationError(f"runtime unavailable: {exc}", 503) from exc
 

@@ -195,7 +195,10 @@ class ChunkRadixCache(RadixCache):
                     self.unlock(found[2])
             if link.policy in CHUNK_POLICIES and link.chunks and not self.disable:
                 repair = link.policy == "cacherepair" and self.repairer is not None
-                self._graft_chunks(key, self._segments(req, link), stats, len(link.chunks), repair)
+                segments = self._segments(req, link)
+                # Chunks a policy recomputes whole (legolink with k >= their length) are no misses.
+                n_chunks = sum(seg.is_chunk for seg in segments)
+                self._graft_chunks(key, segments, stats, n_chunks, repair)
             result = super().match_prefix(MatchPrefixParams(key=key, cow_mamba=params.cow_mamba, req=req))
             if link.policy == "cacheblend" and not link.compile and not self.disable:
                 setattr(req, PLAN_ATTR, blend_plan(self, req, link, result.device_prefix_len, stats))

@@ -105,3 +105,16 @@ def test_zero_initialised_repair_is_exactly_naive(picrag_server, layout, musique
     assert after - before == prompt.chunk_tokens
     assert repaired["output_ids"] == naive["output_ids"]
     assert first_token_top(repaired) == first_token_top(naive)
+
+
+def test_the_shipped_checkpoint_is_for_the_default_model(default_model_dir):
+    from cache_repair.checkpoint import load_repairer
+    from cache_repair.config import read_token_embedding
+    from rag_server.repair_checkpoint import SHIPPED_DIR, choose_repair_checkpoint
+    from sglang_patches.disk_chunk_store import model_fingerprint
+
+    shipped = SHIPPED_DIR / default_model_dir.name
+    assert choose_repair_checkpoint(default_model_dir, None) == (shipped, None)
+    repairer = load_repairer(shipped, read_token_embedding(default_model_dir),
+                             model_fingerprint(default_model_dir, torch.float32))
+    assert repairer.network.head.weight.abs().sum() > 0  # trained, not the zero initialisation

@@ -196,3 +196,14 @@ def test_cli_policy_names_take_parameters():
     assert build_parser().parse_args(["serve", "--default-policy", "cacheblend:0.3"]).default_policy == "cacheblend:0.3"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--default-policy", "legolink:x"])
+
+
+def test_position_masked_policies_need_the_picrag_native_backend():
+    from rag_server.policy_availability import default_policy, unavailable_policies
+
+    assert unavailable_policies("picrag_native", None) == {}
+    on_gpu = unavailable_policies("flashinfer", "no checkpoint")
+    assert set(on_gpu) == {"legolink", "cacheblend", "cacherepair"} and "'flashinfer'" in on_gpu["legolink"]
+    assert default_policy(None, "legolink", on_gpu) == "naive"
+    assert default_policy(None, "legolink", {}) == "legolink"
+    assert default_policy("full", "legolink", on_gpu) == "full"

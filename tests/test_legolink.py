@@ -39,8 +39,9 @@ def first_token_top(out: dict) -> dict[int, float]:
     return {token: logprob for logprob, token, _ in out["meta_info"]["output_top_logprobs"][0]}
 
 
-def run(client, prompt, policy, top=False, max_new_tokens=8):
-    body_extra = {"top_logprobs_num": 5} if top else {}
+def run(client, prompt, policy, top=False, max_new_tokens=8, **body_extra):
+    if top:
+        body_extra["top_logprobs_num"] = 5
     return generate(client, prompt.input_ids, policy, prompt.chunks, max_new_tokens=max_new_tokens,
                     logprobs=top, **body_extra)
 
@@ -114,3 +115,33 @@ def test_legolink0_computes_only_the_question_from_sink_compiled_chunks(picrag_s
     assert first_token_top(sunk) != pytest.approx(first_token_top(naive), abs=1e-4)
     assert cold["output_ids"] == sunk["output_ids"]
     assert first_token_top(cold) == pytest.approx(first_token_top(sunk), abs=1e-5)
+
+
+def input_tops(out: dict) -> list[dict[int, float]]:
+    return [{token: logprob for logprob, token, _ in entry} if entry else {}
+            for entry in out["meta_info"]["input_top_logprobs"]]
+
+
+@pytest.mark.server
+def test_link_tokens_of_the_first_chunk_see_exactly_what_full_prefill_sees(picrag_server, layout, musique):
+    """The first chunk's link tokens run at their true positions in the *reordered* prompt and
+    must attend to the head and to the chunk's earlier tokens only, never to the rests placed
+    before them: their hidden states (read through input top-logprobs) equal full prefill's."""
+    row = musique[58]
+    prompt = layout.build(row["question"], passages_of(row, [0, 1, 2]))
+    k = 6
+    head = len(layout.head_ids)
+    first_link_row = legolink_layout(len(prompt.input_ids), list(prompt.chunks), k).rests[-1][1]
+    with picrag_server.client() as client:
+        full = run(client, prompt, "full", top=True, max_new_tokens=1, logprob_start_len=head + 1)
+        lego = run(client, prompt, f"legolink:{k}", top=True, max_new_tokens=1,
+                   logprob_start_len=first_link_row + 1)
+    # Entry i > 0 holds the next-token distribution of row logprob_start_len + i - 1 (entry 0 is
+    # empty): entries 1..k-1 are link tokens 1..k-1 of the first chunk in both requests.
+    full_rows = input_tops(full)[1:k]
+    lego_rows = input_tops(lego)[1:k]
+    assert len(full_rows) == len(lego_rows) == k - 1 and all(full_rows)
+    for full_top, lego_top in zip(full_rows, lego_rows):
+        assert lego_top.keys() == full_top.keys()
+        for token, logprob in full_top.items():
+            assert lego_top[token] == pytest.approx(logprob, abs=1e-4)
