@@ -397,11 +397,12 @@ class ChunkRadixCache(RadixCache):
         deltas = torch.cat([
             torch.full((len(g.source_slots),), g.shift, dtype=torch.int64) for g in grafts
         ])
+        rotation = self.shifter.rotation(deltas, pool.get_key_buffer(pool.start_layer))
         for layer_id in range(pool.start_layer, pool.start_layer + pool.layer_num):
             k_buffer = pool.get_key_buffer(layer_id)
             v_buffer = pool.get_value_buffer(layer_id)
-            v_buffer[dst] = v_buffer[src]
-            k_buffer[dst] = self.shifter.shift_each(k_buffer[src], deltas)
+            v_buffer[dst] = v_buffer.index_select(0, src)
+            k_buffer[dst] = self.shifter.rotate(k_buffer.index_select(0, src), rotation)
 
     # ---- accounting ------------------------------------------------------------------
 

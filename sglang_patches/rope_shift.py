@@ -63,15 +63,25 @@ class KeyShifter:
 
     def shift_each(self, keys: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
         """Like `shift`, with its own delta per token (deltas [n]): one pass for many chunks."""
+        return self.rotate(keys, self.rotation(deltas, keys))
+
+    def rotation(self, deltas: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (cos, sin) of shifting each token by its delta, [n, 1, rotary_dim / 2], on the
+        device of keys like `like`, in at least fp32: computed once, applied to every layer's
+        keys with `rotate`."""
         if deltas.numel() and int(deltas.abs().max()) >= self.max_position:
             raise RopeShiftError(f"shifts outside the model's {self.max_position} positions")
         half = self.rotary_dim // 2
         rows = self.cos_sin_cache.index_select(0, deltas.abs().to(self.cos_sin_cache.device))
-        rows = rows.to(torch.promote_types(keys.dtype, torch.float32)).unsqueeze(1)  # [n, 1, rot]
+        rows = rows.to(like.device, torch.promote_types(like.dtype, torch.float32)).unsqueeze(1)  # [n, 1, rot]
         # R(-d) is R(d) with the sine negated.
         sign = torch.where(deltas < 0, -1.0, 1.0).to(rows.device, rows.dtype)[:, None, None]
-        cos, sin = rows[..., :half], rows[..., half : self.rotary_dim] * sign
-        k = keys.to(rows.dtype)
+        return rows[..., :half], rows[..., half : self.rotary_dim] * sign
+
+    def rotate(self, keys: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        cos, sin = rotation
+        half = self.rotary_dim // 2
+        k = keys.to(cos.dtype)
         rot, rest = k[..., : self.rotary_dim], k[..., self.rotary_dim :]
         if self.is_neox_style:
             x1, x2 = rot[..., :half], rot[..., half:]

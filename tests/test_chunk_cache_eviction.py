@@ -1,4 +1,5 @@
-"""A tiny KV pool forces the chunk cache to evict: nothing crashes and nothing stale is reused."""
+"""A tiny KV pool forces the chunk cache to evict: nothing crashes, nothing stale is reused, and
+under concurrent load every answer is the one the request gets alone."""
 
 from __future__ import annotations
 
@@ -6,12 +7,15 @@ import pytest
 
 from tests.conftest import start_picrag_server, stop_picrag_server
 from tests.chunk_requests import counters, generate, layout, musique, passages_of, picrag_meta
+from tests.load_burst import MAX_RSS_GROWTH, ask, run_burst
 
 pytestmark = pytest.mark.server
 
 __all__ = ["layout", "musique"]  # fixtures, used by name
 
 POOL_TOKENS = 1536
+REQUESTS = 200
+CLIENTS = 16
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +53,6 @@ def test_eviction_under_a_tiny_pool_never_reuses_freed_slots(small_pool_server, 
         assert small_out["output_ids"] == cold_out["output_ids"]
 
 
-REQUESTS = 200
-CLIENTS = 16
-MAX_RSS_GROWTH = 256 * 2**20  # the KV pool is allocated at start: growth would be leaked state
-
-
 def short_passage(row: dict, index: int) -> dict:
     """The passage's first ~25 words: many distinct passages, small prompts."""
     passage = row["passages"][index]
@@ -64,14 +63,6 @@ def test_concurrent_load_under_eviction_answers_like_serial(small_pool_server, m
     """200 RAG requests from 16 clients whose passages (all told) are several times the pool, so
     chunks are evicted and recompiled while others link: none is lost, every answer is the one the
     same request gets alone, memory stays bounded."""
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-    from itertools import cycle, islice
-
-    import httpx
-
-    from tests.test_reliability_load import ask, server_rss
-
     rows = musique[20:30]
     passages = [short_passage(row, i) for row in rows for i in range(4)]  # 40 distinct passages
     bodies = [
@@ -82,30 +73,13 @@ def test_concurrent_load_under_eviction_answers_like_serial(small_pool_server, m
     with small_pool_server.client() as client:
         serial = [ask(client, body) for body in bodies]
         before = counters(client)
-    baseline = server_rss(small_pool_server.process.pid)
-    peak = baseline
-    done = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not done.wait(0.5):
-            peak = max(peak, server_rss(small_pool_server.process.pid))
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    work = list(islice(cycle(range(len(bodies))), REQUESTS))
-    try:
-        with httpx.Client(base_url=small_pool_server.url, timeout=600,
-                          limits=httpx.Limits(max_connections=CLIENTS)) as client, ThreadPoolExecutor(CLIENTS) as pool:
-            answers = list(pool.map(lambda i: (i, ask(client, bodies[i])), work))
-    finally:
-        done.set()
-        sampler.join()
+    burst = run_burst(small_pool_server, bodies, REQUESTS, CLIENTS)
+    print(burst.report())
     with small_pool_server.client() as client:
         after = counters(client)
-    assert len(answers) == REQUESTS
-    mismatches = [(i, got, serial[i]) for i, got in answers if got[:2] != serial[i][:2]]
+    assert len(burst.answers) == REQUESTS
+    mismatches = [(i, got, serial[i]) for i, got in burst.answers if got[:2] != serial[i][:2]]
     assert not mismatches, mismatches[:5]
     # Chunks were evicted and compiled again during the burst, not only before it.
     assert after["compile_chunk_misses"] - before["compile_chunk_misses"] > 0
-    assert peak - baseline < MAX_RSS_GROWTH
+    assert burst.peak_rss - burst.baseline_rss < MAX_RSS_GROWTH
