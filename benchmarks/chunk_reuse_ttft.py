@@ -7,8 +7,10 @@ On MuSiQue dev rows (20 passages each), per row and in one run:
           chunks warm (compiled by an earlier request of the same policy that used them in
           another order), the measured prompt uses a new shuffled order, so SGLang's prefix
           cache alone would miss.
-TTFT is the client's wall time of a 1-token request through the picrag frontend, so naive's
-includes its compile round trips (all hits). Medians over rows, and ratios to full.
+TTFT is the client's wall time of a 1-token request through the picrag frontend. The warm-up
+request compiled every piece through the frontend, which remembers them, so the measured request
+skips the compile round trip (the steady state of a server whose passages repeat); a piece
+evicted meanwhile would be recompiled and relinked. Medians over rows, and ratios to full.
 
     python benchmarks/chunk_reuse_ttft.py [--url URL] [--rows 10]
 """

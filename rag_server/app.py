@@ -34,6 +34,7 @@ from rag_server.openai_chat import rag_chat_completion
 from rag_server.rag_api import MAX_BODY_BYTES
 from rag_server.rag_api import router as rag_router
 from rag_server.rag_service import DEFAULT_POLICY, RagService
+from rag_server.relink import MAX_RELINKS, chunk_misses, first_event, response_misses
 from sglang_patches.link_hints import LinkHintError, parse_link_request, runtime_request, split_policy
 
 logger = logging.getLogger(__name__)
@@ -208,7 +209,7 @@ def create_app(
             return JSONResponse({"status": "runtime unhealthy"}, 503)
         return JSONResponse({"status": "ok"})
 
-    async def forward(request: Request, body: bytes | None = None) -> Response:
+    async def send(request: Request, body: bytes | None = None) -> httpx.Response:
         client: httpx.AsyncClient = app.state.client
         upstream_request = client.build_request(
             request.method,
@@ -218,24 +219,64 @@ def create_app(
             headers={k: v for k, v in request.headers.items()
                      if k.lower() not in {"host", *_HOP_HEADERS, *_CREDENTIAL_HEADERS}},
         )
+        return await client.send(upstream_request, stream=True)
+
+    def relay(upstream: httpx.Response, first: bytes = b"") -> Response:
+        """The runtime's answer as the client's: streamed through, or whole (`first`: bytes of
+        the stream already read)."""
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
+
+        async def chunks():
+            try:
+                if first:
+                    yield first
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            finally:
+                await upstream.aclose()
+
+        return StreamingResponse(chunks(), status_code=upstream.status_code, headers=headers)
+
+    def is_stream(upstream: httpx.Response) -> bool:
+        return upstream.headers.get("content-type", "").startswith("text/event-stream")
+
+    async def forward(request: Request, body: bytes | None = None) -> Response:
         try:
-            upstream = await client.send(upstream_request, stream=True)
+            upstream = await send(request, body)
         except httpx.HTTPError as exc:
             logger.error("runtime request %s failed: %s", request.url.path, exc)
             return JSONResponse({"error": f"runtime unavailable: {exc}"}, 503)
-        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
-        if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-            async def relay():
-                try:
-                    async for chunk in upstream.aiter_raw():
-                        yield chunk
-                finally:
-                    await upstream.aclose()
-
-            return StreamingResponse(relay(), status_code=upstream.status_code, headers=headers)
-        body = await upstream.aread()
+        if is_stream(upstream):
+            return relay(upstream)
+        data = await upstream.aread()
         await upstream.aclose()
-        return Response(body, status_code=upstream.status_code, headers=headers)
+        return Response(data, status_code=upstream.status_code,
+                        headers={k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS})
+
+    async def linked_generate(request: Request, input_ids: list[int], link, body: bytes) -> Response:
+        """Compile (skipping pieces compiled before), link, and relink if the engine reports a
+        chunk missing (rag_server.relink)."""
+        for attempt in range(MAX_RELINKS + 1):
+            last = attempt == MAX_RELINKS
+            try:
+                await app.state.compiler.prepare(input_ids, link, skip_known=attempt == 0)
+                upstream = await send(request, body)
+            except (CompileError, httpx.HTTPError) as exc:
+                logger.error("linked /generate failed: %s", exc)
+                return JSONResponse({"error": {"message": str(exc), "type": "compile_failed"}}, 503)
+            if is_stream(upstream):
+                first, event = await first_event(upstream.aiter_raw())
+                if last or not chunk_misses((event or {}).get("meta_info")):
+                    return relay(upstream, first)
+            else:
+                data = await upstream.aread()
+                if last or upstream.status_code != 200 or not response_misses(data):
+                    await upstream.aclose()
+                    return Response(data, status_code=upstream.status_code,
+                                    headers={k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS})
+            await upstream.aclose()
+            logger.warning("chunks not in the store at link time: compiling again (retry %d)", attempt + 1)
+        raise AssertionError("the last attempt always answers")
 
     @app.post("/generate", include_in_schema=False)
     async def generate(request: Request) -> Response:
@@ -271,14 +312,8 @@ def create_app(
             too_long = linked_prompt_error(len(input_ids), payload.get("sampling_params"), app.state.rag.limits)
             if too_long:
                 return JSONResponse({"error": {"message": too_long, "type": "prompt_too_long"}}, 400)
-            try:
-                await app.state.compiler.prepare(input_ids, link)
-            except (CompileError, httpx.HTTPError) as exc:
-                logger.error("chunk compile failed: %s", exc)
-                return JSONResponse({"error": {"message": str(exc), "type": "compile_failed"}}, 503)
-            if link.policy in ("legolink", "legolink0"):
-                payload["input_ids"], payload["kv_hints"] = runtime_request(input_ids, link)
-                body = json.dumps(payload).encode()
+            payload["input_ids"], payload["kv_hints"] = runtime_request(input_ids, link)
+            return await linked_generate(request, input_ids, link, json.dumps(payload).encode())
         return await forward(request, body)
 
     @app.post("/v1/chat/completions", include_in_schema=False)
@@ -311,6 +346,12 @@ def create_app(
             return JSONResponse({"error": {"message": "expected {\"src_rids\": [...], \"dst_rid\": \"...\"}"}}, 400)
         return JSONResponse({"success": True})
 
+    async def flush_cache(request: Request) -> Response:
+        """SGLang's flush; the compiler forgets what it compiled, since nothing is stored now."""
+        app.state.compiler.forget()
+        return await forward(request)
+
     for path, methods in PASSTHROUGH_ROUTES.items():
-        app.add_api_route(path, forward, methods=methods, include_in_schema=False)
+        handler = flush_cache if path == "/flush_cache" else forward
+        app.add_api_route(path, handler, methods=methods, include_in_schema=False)
     return app

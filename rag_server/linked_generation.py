@@ -4,13 +4,7 @@ This is the path the `/generate` handler takes for a `picrag.link` request (the 
 then the runtime's `/generate`), called in-process by the RAG routes instead of over HTTP.
 The runtime is always asked to stream, so the frontend sees the first token when it is
 produced and can report time to first token for streaming and non-streaming clients alike.
-
-Compile and link are two requests, so under memory pressure a chunk compiled for this prompt can
-be evicted before the link runs; the engine then computes it as ordinary tokens (correct, but
-not the policy asked for, and an answer that differs from the same request on a quiet server).
-The first streamed event already carries the link's chunk misses, so such a stream is dropped
-before any text leaves the frontend (dropping it aborts the request in the runtime), the chunks
-are compiled again and the link is retried, up to MAX_RELINKS times.
+Chunks evicted between compile and link are compiled and linked again (rag_server.relink).
 """
 
 from __future__ import annotations
@@ -25,11 +19,10 @@ from typing import Any
 import httpx
 
 from rag_server.chunk_compiler import ChunkCompiler, CompileError
+from rag_server.relink import MAX_RELINKS, chunk_misses
 from sglang_patches.link_hints import CHUNK_POLICIES, LinkRequest, runtime_request
 
 logger = logging.getLogger(__name__)
-
-MAX_RELINKS = 3
 
 
 class GenerationError(RuntimeError):
@@ -52,13 +45,17 @@ class LinkedGenerator:
         self.compiler = compiler
         self.sink_token = sink_token  # legolink0's sink: the model's BOS
 
-    async def compile(self, input_ids: list[int], policy: str, chunks: Sequence[tuple[int, int]]) -> float:
-        """Make sure the prompt's chunks are in the chunk store; returns the seconds it took."""
+    async def compile(
+        self, input_ids: list[int], policy: str, chunks: Sequence[tuple[int, int]], skip_known: bool = True
+    ) -> float:
+        """Make sure the prompt's chunks are in the chunk store (`skip_known`: pieces this
+        frontend compiled before are taken as stored; `stream` relinks if one was not);
+        returns the seconds it took."""
         started = time.perf_counter()
         link = LinkRequest.of(policy, chunks, self.sink_token)
         link.validate(len(input_ids))
         try:
-            await self.compiler.prepare(input_ids, link)
+            await self.compiler.prepare(input_ids, link, skip_known=skip_known)
         except (CompileError, httpx.HTTPError) as exc:
             raise GenerationError(f"chunk compile failed: {exc}", 503) from exc
         return time.perf_counter() - started
@@ -80,12 +77,12 @@ class LinkedGenerator:
             for attempt in range(relinks + 1):
                 deltas = self._stream(body)
                 first = await anext(deltas, None)
-                misses = (first.meta.get("cached_tokens_details") or {}).get("picrag_chunk_misses", 0) if first else 0
+                misses = chunk_misses(first.meta) if first else 0
                 if misses and attempt < relinks:
                     await deltas.aclose()
-                    logger.warning("%d chunk(s) evicted between compile and link: compiling again (retry %d)",
+                    logger.warning("%d chunk(s) not in the store at link time: compiling again (retry %d)",
                                    misses, attempt + 1)
-                    await self.compile(input_ids, policy, chunks)
+                    await self.compile(input_ids, policy, chunks, skip_known=False)
                     continue
                 if first is not None:
                     yield first

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 import json
 
 import pytest
@@ -207,3 +208,44 @@ def test_position_masked_policies_need_the_picrag_native_backend():
     assert default_policy(None, "legolink", on_gpu) == "naive"
     assert default_policy(None, "legolink", {}) == "legolink"
     assert default_policy("full", "legolink", on_gpu) == "full"
+
+
+def test_relink_reads_chunk_misses_from_the_first_event_and_from_whole_answers():
+    from rag_server.relink import chunk_misses, first_event, response_misses
+
+    async def stream(parts):
+        for part in parts:
+            yield part
+
+    first = b'data: {"text": "a", "meta_info": {"cached_tokens_details": {"picrag_chunk_misses": 2}}}\n\n'
+    read, event = asyncio.run(first_event(stream([first[:20], first[20:], b'data: {"text": "ab"}\n\n'])))
+    assert read.startswith(first) and chunk_misses(event["meta_info"]) == 2
+    assert asyncio.run(first_event(stream([b": keep-alive\n\n", b"data: [DONE]\n\n"])))[1] is None
+    assert response_misses(b'{"meta_info": {"cached_tokens_details": {"picrag_chunk_misses": 1}}}') == 1
+    assert response_misses(b'[{"meta_info": {}}, {"meta_info": null}]') == 0
+    assert response_misses(b"not json") == 0
+
+
+def test_compiler_skips_pieces_it_compiled_and_forgets_them_on_flush():
+    from rag_server.chunk_compiler import ChunkCompiler
+    from sglang_patches.link_hints import LinkRequest
+
+    sent = []
+
+    class Runtime:
+        async def post(self, path, json):
+            sent.append(json["input_ids"])
+            return SimpleNamespace(status_code=200, json=lambda: [
+                {"meta_info": {"cached_tokens_details": {"picrag_chunk_misses": 1}}} for _ in json["input_ids"]
+            ])
+
+    compiler = ChunkCompiler(Runtime())
+    link = LinkRequest.of("naive", [(2, 4), (4, 7)])
+    prompt = [1, 2, 10, 11, 20, 21, 22, 9]
+    assert asyncio.run(compiler.prepare(prompt, link, skip_known=True)).chunks_compiled == 2
+    assert asyncio.run(compiler.prepare(prompt, link, skip_known=True)).chunks_cached == 2
+    assert len(sent) == 1
+    asyncio.run(compiler.prepare(prompt, link))  # without skip_known: always asks the engine
+    compiler.forget()
+    asyncio.run(compiler.prepare(prompt, link, skip_known=True))
+    assert len(sent) == 3 and sent[0] == [[1, 2], [10, 11], [20, 21, 22]]
