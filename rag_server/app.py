@@ -314,7 +314,14 @@ def create_app(
                 return JSONResponse({"error": {"message": too_long, "type": "prompt_too_long"}}, 400)
             payload["input_ids"], payload["kv_hints"] = runtime_request(input_ids, link)
             return await linked_generate(request, input_ids, link, json.dumps(payload).encode())
-        return await forward(request, body)
+        response = await forward(request, body)
+        if link is not None and link.compile and response.status_code == 200:
+            pieces = payload.get("input_ids")
+            if isinstance(pieces, list) and pieces and all(isinstance(t, int) for t in pieces):
+                pieces = [pieces]
+            if isinstance(pieces, list) and all(isinstance(p, list) for p in pieces):
+                app.state.compiler.remember_compiled(pieces)
+        return response
 
     @app.post("/v1/chat/completions", include_in_schema=False)
     async def chat_completions(request: Request) -> Response:

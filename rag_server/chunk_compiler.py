@@ -59,6 +59,10 @@ class ChunkCompiler:
     def forget(self) -> None:
         self._known.clear()
 
+    def remember_compiled(self, segments: list[list[int]]) -> None:
+        """Pieces compiled by someone else's picrag.compile request through this frontend."""
+        self._remember([_chunk_key(s) for s in segments])
+
     def _remember(self, keys: list[str]) -> None:
         for key in keys:
             self._known[key] = None
