@@ -16,7 +16,10 @@ It is SGLang's own `RadixCache`, with two namespaces added through `extra_key`:
   evicted chunk simply is not grafted, and its tokens are computed as ordinary extend tokens.
 
 Vanilla requests (no picrag hint) and ``prefix`` use the plain tree; ``full`` matches nothing
-and stores nothing.
+and stores nothing. ``cacherepair`` grafts like ``naive`` and then corrects the grafted KV with
+the repair network (sglang_patches.kv_repair). ``cacheblend`` grafts only the head: its chunks
+are extend tokens whose cached KV is placed in the forward (sglang_patches.cacheblend), and its
+requests are never inserted.
 """
 
 from __future__ import annotations
@@ -163,7 +166,7 @@ class ChunkRadixCache(RadixCache):
             link = dataclasses.replace(link, policy="naive")
         setattr(req, _LINK_ATTR, link)
         if link is not None:
-            if link.policy == "full" or (link.policy == "cacheblend" and not link.compile):
+            if link.policy in ("full", "cacheblend"):
                 # A blended token's KV depends on the whole prompt (the deviation ranking), so
                 # it is no prefix to share; cacheblend's namespace only holds grafted heads.
                 req.skip_radix_cache_insert = True
@@ -200,7 +203,7 @@ class ChunkRadixCache(RadixCache):
                 n_chunks = sum(seg.is_chunk for seg in segments)
                 self._graft_chunks(key, segments, stats, n_chunks, repair)
             result = super().match_prefix(MatchPrefixParams(key=key, cow_mamba=params.cow_mamba, req=req))
-            if link.policy == "cacheblend" and not link.compile and not self.disable:
+            if link.policy == "cacheblend" and not self.disable:
                 setattr(req, PLAN_ATTR, blend_plan(self, req, link, result.device_prefix_len, stats))
         prompt_len = len(req.origin_input_ids)
         stats.reused_tokens = result.device_prefix_len
