@@ -170,9 +170,9 @@ class ChunkRadixCache(RadixCache):
                 # A blended token's KV depends on the whole prompt (the deviation ranking), so
                 # it is no prefix to share; cacheblend's namespace only holds grafted heads.
                 req.skip_radix_cache_insert = True
-            elif link.compile:
+            if link.compile:
                 req.extra_key = _with_namespace(CHUNK_NAMESPACE, req.extra_key)
-            elif link.policy != "prefix":
+            elif link.policy not in ("full", "prefix"):
                 req.extra_key = _with_namespace(namespace_of(link), req.extra_key)
             if link.layout == REORDERED_LAYOUT:
                 order = legolink_layout(len(req.origin_input_ids), list(link.chunks), link.k).order
