@@ -55,3 +55,24 @@ def logprobs_of(out: dict) -> list[float]:
 def counters(client) -> dict[str, float]:
     text = client.get("/metrics").text
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^picrag_(\w+)_total (\S+)$", text, re.M)}
+
+
+def run(client, prompt, policy, top=False, max_new_tokens=8, **body_extra) -> dict:
+    """A CompiledPrompt through /generate under `policy`; `top`: first-token top-5 logprobs."""
+    if top:
+        body_extra["top_logprobs_num"] = 5
+    return generate(client, prompt.input_ids, policy, prompt.chunks, max_new_tokens=max_new_tokens,
+                    logprobs=top, **body_extra)
+
+
+def first_token_top(out: dict) -> dict[int, float]:
+    return {token: logprob for logprob, token, _ in out["meta_info"]["output_top_logprobs"][0]}
+
+
+def assert_same_answer(out: dict, reference: dict, abs_tol: float = 1e-4) -> None:
+    """Same greedy tokens, and the same first-token top-5 with logprobs within `abs_tol`."""
+    assert out["output_ids"] == reference["output_ids"]
+    top, reference_top = first_token_top(out), first_token_top(reference)
+    assert top.keys() == reference_top.keys()
+    for token, logprob in reference_top.items():
+        assert top[token] == pytest.approx(logprob, abs=abs_tol)

@@ -3,15 +3,12 @@ positions; a zero-initialised network is exactly naive; checkpoints for other mo
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from sglang_patches.kv_repair import RepairSpan, repair_spans
 from sglang_patches.rope_shift import KeyShifter
-from tests.chunk_requests import counters, layout, musique, passages_of, picrag_meta
-from tests.test_legolink import first_token_top, run
+from tests.chunk_requests import counters, first_token_top, layout, musique, passages_of, picrag_meta, run
 
 __all__ = ["layout", "musique"]  # fixtures, used by name
 

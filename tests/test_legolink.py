@@ -9,7 +9,7 @@ import pytest
 
 from sglang_patches.legolink_layout import legolink_layout
 from sglang_patches.link_hints import LinkHintError, LinkRequest, split_policy
-from tests.chunk_requests import generate, layout, musique, passages_of, picrag_meta
+from tests.chunk_requests import assert_same_answer, first_token_top, layout, musique, passages_of, picrag_meta, run
 
 __all__ = ["layout", "musique"]  # fixtures, used by name
 
@@ -35,17 +35,6 @@ def test_policy_names():
         LinkRequest.of("legolink", [(0, 4), (5, 9)]).validate(12)
 
 
-def first_token_top(out: dict) -> dict[int, float]:
-    return {token: logprob for logprob, token, _ in out["meta_info"]["output_top_logprobs"][0]}
-
-
-def run(client, prompt, policy, top=False, max_new_tokens=8, **body_extra):
-    if top:
-        body_extra["top_logprobs_num"] = 5
-    return generate(client, prompt.input_ids, policy, prompt.chunks, max_new_tokens=max_new_tokens,
-                    logprobs=top, **body_extra)
-
-
 @pytest.mark.server
 def test_legolink_limits_equal_full_and_naive(picrag_server, layout, musique):
     row = musique[50]
@@ -58,14 +47,9 @@ def test_legolink_limits_equal_full_and_naive(picrag_server, layout, musique):
         zero = run(client, prompt, "legolink:0", top=True)
     # k covering every chunk recomputes everything but the head (a true prefix): full prefill.
     assert picrag_meta(whole)["computed_tokens"] == len(prompt.input_ids) - len(layout.head_ids)
-    assert whole["output_ids"] == full["output_ids"]
-    full_top, whole_top = first_token_top(full), first_token_top(whole)
-    assert whole_top.keys() == full_top.keys()
-    for token, logprob in full_top.items():
-        assert whole_top[token] == pytest.approx(logprob, abs=1e-4)
+    assert_same_answer(whole, full)
     # k = 0 recomputes nothing: naive.
-    assert zero["output_ids"] == naive["output_ids"]
-    assert first_token_top(zero) == pytest.approx(first_token_top(naive), abs=1e-5)
+    assert_same_answer(zero, naive, abs_tol=1e-5)
 
 
 @pytest.mark.server
