@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -221,16 +221,16 @@ def create_app(
         )
         return await client.send(upstream_request, stream=True)
 
-    def relay(upstream: httpx.Response, first: bytes = b"") -> Response:
-        """The runtime's answer as the client's: streamed through, or whole (`first`: bytes of
-        the stream already read)."""
+    def relay(upstream: httpx.Response, read: bytes = b"", rest: AsyncIterator[bytes] | None = None) -> Response:
+        """The runtime's stream as the client's (`read`: bytes already taken from `rest`, the
+        stream's one raw iterator, when part of it was read)."""
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
 
         async def chunks():
             try:
-                if first:
-                    yield first
-                async for chunk in upstream.aiter_raw():
+                if read:
+                    yield read
+                async for chunk in rest or upstream.aiter_raw():
                     yield chunk
             finally:
                 await upstream.aclose()
@@ -265,9 +265,10 @@ def create_app(
                 logger.error("linked /generate failed: %s", exc)
                 return JSONResponse({"error": {"message": str(exc), "type": "compile_failed"}}, 503)
             if is_stream(upstream):
-                first, event = await first_event(upstream.aiter_raw())
+                rest = upstream.aiter_raw()
+                read, event = await first_event(rest)
                 if last or not chunk_misses((event or {}).get("meta_info")):
-                    return relay(upstream, first)
+                    return relay(upstream, read, rest)
             else:
                 data = await upstream.aread()
                 if last or upstream.status_code != 200 or not response_misses(data):
