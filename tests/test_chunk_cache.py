@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from sglang_patches.link_hints import link_hints
 from tests.chunk_requests import counters, generate, layout, logprobs_of, musique, passages_of, picrag_meta
 
 pytestmark = pytest.mark.server
@@ -99,3 +100,34 @@ def test_concurrent_requests_sharing_chunks_match_serial_runs(picrag_server, lay
                 lambda p: generate(client, p.input_ids, "naive", p.chunks)["output_ids"], prompts
             ))
     assert concurrent == serial
+
+
+def test_chunks_lost_after_compile_are_compiled_and_linked_again(picrag_server, layout, musique):
+    """The frontend skips compiling pieces it compiled before; when the runtime has lost them
+    (here: its cache flushed behind the frontend's back), the link reports misses and the
+    frontend compiles and links again, streamed or not, before the client sees anything."""
+    import json
+
+    import httpx
+
+    row = musique[59]
+    prompt = layout.build(row["question"], passages_of(row, [0, 1, 2]))
+    with picrag_server.client() as client:
+        first = generate(client, prompt.input_ids, "naive", prompt.chunks, logprobs=True)
+        info = client.get("/get_server_info").json()
+        runtime = f"http://{info['host']}:{info['port']}"
+
+        httpx.post(f"{runtime}/flush_cache", timeout=60).raise_for_status()
+        again = generate(client, prompt.input_ids, "naive", prompt.chunks, logprobs=True)
+
+        httpx.post(f"{runtime}/flush_cache", timeout=60).raise_for_status()
+        body = {"input_ids": prompt.input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": 8},
+                "stream": True, "kv_hints": link_hints("naive", list(prompt.chunks))}
+        with client.stream("POST", "/generate", json=body) as response:
+            events = [json.loads(line[len("data:"):]) for line in response.iter_lines()
+                      if line.startswith("data:") and line != "data: [DONE]"]
+    for out in (again, events[-1]):
+        assert picrag_meta(out)["chunk_hits"] == 3 and picrag_meta(out)["chunk_misses"] == 0
+    assert again["output_ids"] == first["output_ids"]
+    assert logprobs_of(again) == logprobs_of(first)
+    assert events[-1]["output_ids"] == first["output_ids"]
