@@ -202,6 +202,10 @@ class ChunkRadixCache(RadixCache):
                 # Chunks a policy recomputes whole (legolink with k >= their length) are no misses.
                 n_chunks = sum(seg.is_chunk for seg in segments)
                 self._graft_chunks(key, segments, stats, n_chunks, repair)
+                if stats.chunk_misses:
+                    # Its missing chunks are computed as ordinary tokens, in context: that KV is
+                    # not this policy's and must not serve a later request as if it were.
+                    req.skip_radix_cache_insert = True
             result = super().match_prefix(MatchPrefixParams(key=key, cow_mamba=params.cow_mamba, req=req))
             if link.policy == "cacheblend" and not self.disable:
                 setattr(req, PLAN_ATTR, blend_plan(self, req, link, result.device_prefix_len, stats))
