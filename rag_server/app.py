@@ -276,6 +276,7 @@ def create_app(
                     return Response(data, status_code=upstream.status_code,
                                     headers={k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS})
             await upstream.aclose()
+            app.state.compiler.note_eviction()
             logger.warning("chunks not in the store at link time: compiling again (retry %d)", attempt + 1)
         raise AssertionError("the last attempt always answers")
 

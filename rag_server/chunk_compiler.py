@@ -8,13 +8,16 @@ positions 0..n-1 and stored. Identical compiles in flight at the same time are s
 The compiler remembers what it compiled. With `skip_known`, a prompt whose pieces were all
 compiled before is not sent at all: the round trip (a forward of one token per piece) is most
 of a warm prompt's time to first token. The engine may have evicted a piece since; callers that
-skip check the link's chunk misses and compile again (rag_server.relink).
+skip check the link's chunk misses and compile again (rag_server.relink). A miss means the pool
+is evicting, where skipping would mostly guess wrong and every wrong guess costs a wasted
+prefill: after one, the compiler forgets what it knew and stops skipping for SKIP_PAUSE_S.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -26,6 +29,7 @@ from sglang_patches.link_hints import CHUNK_POLICIES, LinkRequest, compile_hints
 
 # Keys of compiled pieces remembered (about 100 bytes each).
 KNOWN_PIECES = 100_000
+SKIP_PAUSE_S = 60.0
 
 
 class CompileError(RuntimeError):
@@ -55,9 +59,15 @@ class ChunkCompiler:
         self.client = client
         self._inflight: dict[str, asyncio.Future] = {}
         self._known: OrderedDict[str, None] = OrderedDict()
+        self._skip_paused_until = 0.0
 
     def forget(self) -> None:
         self._known.clear()
+
+    def note_eviction(self) -> None:
+        """A link found a piece this compiler had compiled gone: the pool is evicting."""
+        self.forget()
+        self._skip_paused_until = time.monotonic() + SKIP_PAUSE_S
 
     def remember_compiled(self, segments: list[list[int]]) -> None:
         """Pieces compiled by someone else's picrag.compile request through this frontend."""
@@ -116,7 +126,7 @@ class ChunkCompiler:
         segments = segments_to_compile(input_ids, link)
         if not segments:
             return CompileReport()
-        if skip_known:
+        if skip_known and time.monotonic() >= self._skip_paused_until:
             keys = [_chunk_key(s) for s in segments]
             if all(key in self._known for key in keys):
                 self._remember(keys)

@@ -82,6 +82,7 @@ class LinkedGenerator:
                     await deltas.aclose()
                     logger.warning("%d chunk(s) not in the store at link time: compiling again (retry %d)",
                                    misses, attempt + 1)
+                    self.compiler.note_eviction()
                     await self.compile(input_ids, policy, chunks, skip_known=False)
                     continue
                 if first is not None:

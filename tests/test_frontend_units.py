@@ -249,3 +249,7 @@ def test_compiler_skips_pieces_it_compiled_and_forgets_them_on_flush():
     compiler.forget()
     asyncio.run(compiler.prepare(prompt, link, skip_known=True))
     assert len(sent) == 3 and sent[0] == [[1, 2], [10, 11], [20, 21, 22]]
+    compiler.note_eviction()  # a link missed a piece: no skipping for a while, even of known ones
+    asyncio.run(compiler.prepare(prompt, link, skip_known=True))
+    asyncio.run(compiler.prepare(prompt, link, skip_known=True))
+    assert len(sent) == 5
