@@ -62,11 +62,13 @@ class ChunkCompiler:
         self._skip_paused_until = 0.0
 
     def forget(self) -> None:
+        """The engine's cache was flushed: nothing is stored, and nothing was evicted."""
         self._known.clear()
+        self._skip_paused_until = 0.0
 
     def note_eviction(self) -> None:
         """A link found a piece this compiler had compiled gone: the pool is evicting."""
-        self.forget()
+        self._known.clear()
         self._skip_paused_until = time.monotonic() + SKIP_PAUSE_S
 
     def remember_compiled(self, segments: list[list[int]]) -> None:

@@ -120,6 +120,9 @@ def test_chunks_lost_after_compile_are_compiled_and_linked_again(picrag_server, 
         httpx.post(f"{runtime}/flush_cache", timeout=60).raise_for_status()
         again = generate(client, prompt.input_ids, "naive", prompt.chunks, logprobs=True)
 
+        # A relink pauses compile skipping; a flush through the frontend resumes it.
+        client.post("/flush_cache").raise_for_status()
+        generate(client, prompt.input_ids, "naive", prompt.chunks)
         httpx.post(f"{runtime}/flush_cache", timeout=60).raise_for_status()
         body = {"input_ids": prompt.input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": 8},
                 "stream": True, "kv_hints": link_hints("naive", list(prompt.chunks))}
