@@ -117,8 +117,13 @@ def test_chunks_lost_after_compile_are_compiled_and_linked_again(picrag_server, 
         info = client.get("/get_server_info").json()
         runtime = f"http://{info['host']}:{info['port']}"
 
+        def relinks() -> int:
+            return picrag_server.log.read_text().count("compiling again")
+
         httpx.post(f"{runtime}/flush_cache", timeout=60).raise_for_status()
+        before = relinks()
         again = generate(client, prompt.input_ids, "naive", prompt.chunks, logprobs=True)
+        assert relinks() == before + 1
 
         # A relink pauses compile skipping; a flush through the frontend resumes it.
         client.post("/flush_cache").raise_for_status()
@@ -129,6 +134,7 @@ def test_chunks_lost_after_compile_are_compiled_and_linked_again(picrag_server, 
         with client.stream("POST", "/generate", json=body) as response:
             events = [json.loads(line[len("data:"):]) for line in response.iter_lines()
                       if line.startswith("data:") and line != "data: [DONE]"]
+        assert relinks() == before + 2
     for out in (again, events[-1]):
         assert picrag_meta(out)["chunk_hits"] == 3 and picrag_meta(out)["chunk_misses"] == 0
     assert again["output_ids"] == first["output_ids"]
