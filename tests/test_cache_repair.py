@@ -213,10 +213,10 @@ def repair_cli(*args: object) -> int:
 
 
 @pytest.mark.slow
-def test_tiny_pairs_train_and_eval(maker, default_model_dir, tmp_path, monkeypatch, capsys):
+def test_tiny_pairs_train_and_eval(maker, default_model_dir, shared_qa, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(pairs_module, "PairMaker", lambda model_dir: maker)
-    out = tmp_path / "pairs"
-    generate_pairs(out, default_model_dir, groups=1, val_groups=1, seed=3, max_passage_tokens=16)
+    out, data = tmp_path / "pairs", shared_qa / "nq_open_oracle.train.jsonl"
+    generate_pairs(out, default_model_dir, groups=1, val_groups=1, seed=3, max_passage_tokens=16, data=data)
     train_paths = shard_paths(out, "train")
     assert len(train_paths) == 1 and len(shard_paths(out, "val")) == 1
     manifest = json.loads((out / "manifest.json").read_text())
@@ -225,9 +225,9 @@ def test_tiny_pairs_train_and_eval(maker, default_model_dir, tmp_path, monkeypat
 
     # Resumable: a second run finds every shard and prefills nothing.
     monkeypatch.setattr(maker, "make_pair", lambda ids: pytest.fail("recomputed an existing shard"))
-    generate_pairs(out, default_model_dir, groups=1, val_groups=1, seed=3, max_passage_tokens=16)
+    generate_pairs(out, default_model_dir, groups=1, val_groups=1, seed=3, max_passage_tokens=16, data=data)
     with pytest.raises(PairsError, match="seed"):
-        generate_pairs(out, default_model_dir, groups=1, val_groups=1, seed=4, max_passage_tokens=16)
+        generate_pairs(out, default_model_dir, groups=1, val_groups=1, seed=4, max_passage_tokens=16, data=data)
 
     checkpoint = tmp_path / "checkpoint"
     train_args = ("repair", "train", "--pairs", out, "--out", checkpoint, "--steps", 40, "--warmup", 5,

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from rag_server.batch_qa import AskOptions, run_batch
+from rag_server.rag_service import DEFAULT_POLICY
 
 pytestmark = pytest.mark.server
 
@@ -81,7 +82,7 @@ def test_rag_query_retrieves_from_the_index(index_frontend, retriever, rows):
     scores = [s["score"] for s in result["sources"]]
     assert scores == sorted(scores, reverse=True)
     assert result["timings"]["retrieval_ms"] > 0
-    assert result["usage"]["reused_tokens"] > 0 and result["policy"] == "naive"
+    assert result["usage"]["reused_tokens"] > 0 and result["policy"] == DEFAULT_POLICY
 
 
 def test_streamed_retrieval_reports_sources_in_the_final_event(index_frontend, retriever, rows):
