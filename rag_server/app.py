@@ -224,8 +224,6 @@ def create_app(
     def relay(upstream: httpx.Response, read: bytes = b"", rest: AsyncIterator[bytes] | None = None) -> Response:
         """The runtime's stream as the client's (`read`: bytes already taken from `rest`, the
         stream's one raw iterator, when part of it was read)."""
-        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
-
         async def chunks():
             try:
                 if read:
@@ -235,7 +233,10 @@ def create_app(
             finally:
                 await upstream.aclose()
 
-        return StreamingResponse(chunks(), status_code=upstream.status_code, headers=headers)
+        return StreamingResponse(chunks(), status_code=upstream.status_code, headers=relayed_headers(upstream))
+
+    def relayed_headers(upstream: httpx.Response) -> dict[str, str]:
+        return {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
 
     def is_stream(upstream: httpx.Response) -> bool:
         return upstream.headers.get("content-type", "").startswith("text/event-stream")
@@ -250,8 +251,7 @@ def create_app(
             return relay(upstream)
         data = await upstream.aread()
         await upstream.aclose()
-        return Response(data, status_code=upstream.status_code,
-                        headers={k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS})
+        return Response(data, status_code=upstream.status_code, headers=relayed_headers(upstream))
 
     async def linked_generate(request: Request, input_ids: list[int], link, body: bytes) -> Response:
         """Compile (skipping pieces compiled before), link, and relink if the engine reports a
@@ -273,8 +273,7 @@ def create_app(
                 data = await upstream.aread()
                 if last or upstream.status_code != 200 or not response_misses(data):
                     await upstream.aclose()
-                    return Response(data, status_code=upstream.status_code,
-                                    headers={k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS})
+                    return Response(data, status_code=upstream.status_code, headers=relayed_headers(upstream))
             await upstream.aclose()
             app.state.compiler.note_eviction()
             logger.warning("chunks not in the store at link time: compiling again (retry %d)", attempt + 1)
