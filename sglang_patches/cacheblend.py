@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -78,7 +78,6 @@ class BlendState:
     kv_pool: object
     requests: list[_BlendRows]
     positions: Optional[torch.Tensor] = None  # the kept rows' positions, once shrunk
-    kept: dict[int, int] = field(default_factory=dict)
 
 
 def select_rows(deviation: torch.Tensor, candidates: torch.Tensor, length: int, ratio: float) -> torch.Tensor:
