@@ -142,11 +142,7 @@ def _place_cached_kv(plan: BlendPlan, prefix: int, length: int, extend_slots: to
         dst = extend_slots[rows_t].to(torch.int64)
         cached_v = pool.get_value_buffer(pool.start_layer + CHECK_LAYER)[src].clone()
         if plan.ratio < 1.0:
-            rotation = cache.shifter.rotation(delta, pool.get_key_buffer(pool.start_layer))
-            for layer_id in range(pool.start_layer + CHECK_LAYER + 1, pool.start_layer + pool.layer_num):
-                v_buffer, k_buffer = pool.get_value_buffer(layer_id), pool.get_key_buffer(layer_id)
-                v_buffer[dst] = v_buffer.index_select(0, src)
-                k_buffer[dst] = cache.shifter.rotate(k_buffer.index_select(0, src), rotation)
+            cache.copy_shifted(src, dst, delta, first_layer=CHECK_LAYER + 1)
     finally:
         for lock in locks:
             cache.unlock(lock)

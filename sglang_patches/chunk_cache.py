@@ -395,17 +395,17 @@ class ChunkRadixCache(RadixCache):
             self.counters.add("graft_skipped_pool_full")
             return None
         src = torch.cat([g.source_slots for g in grafts]).to(torch.int64)
-        self._copy_shifted(src, new_slots, grafts)
+        deltas = torch.cat([torch.full((len(g.source_slots),), g.shift, dtype=torch.int64) for g in grafts])
+        self.copy_shifted(src, new_slots, deltas)
         return new_slots
 
     @torch.no_grad()
-    def _copy_shifted(self, src: torch.Tensor, dst: torch.Tensor, grafts: list[_Graft]) -> None:
+    def copy_shifted(self, src: torch.Tensor, dst: torch.Tensor, deltas: torch.Tensor, first_layer: int = 0) -> None:
+        """Pool slots `dst` get the KV of `src` with each key moved by its delta, in the layers
+        from `first_layer` (relative to the pool's start) on."""
         pool = self.kv_pool
-        deltas = torch.cat([
-            torch.full((len(g.source_slots),), g.shift, dtype=torch.int64) for g in grafts
-        ])
         rotation = self.shifter.rotation(deltas, pool.get_key_buffer(pool.start_layer))
-        for layer_id in range(pool.start_layer, pool.start_layer + pool.layer_num):
+        for layer_id in range(pool.start_layer + first_layer, pool.start_layer + pool.layer_num):
             k_buffer = pool.get_key_buffer(layer_id)
             v_buffer = pool.get_value_buffer(layer_id)
             v_buffer[dst] = v_buffer.index_select(0, src)
