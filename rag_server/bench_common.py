@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from rag_server import sse
 from rag_server.prompt_layout import CompiledPrompt, PromptLayout, PromptPassage
 from sglang_patches.link_hints import (
     LinkHintError,
@@ -39,6 +40,16 @@ logger = logging.getLogger(__name__)
 
 class BenchError(RuntimeError):
     pass
+
+
+def add_server_arguments(parser, default_port: int) -> None:
+    """Where a bench command finds its server (or starts one) and writes its results."""
+    parser.add_argument("--url", default=None, help="a running picrag server; default: start one here")
+    parser.add_argument("--model", default=None, metavar="PRESET|PATH",
+                        help="model of the server started here; with --url, the tokenizer to use "
+                        "(default: the server's model folder)")
+    parser.add_argument("--port", type=int, default=default_port, help="port of the server started here")
+    parser.add_argument("--out", type=Path, required=True, metavar="DIR")
 
 
 @dataclass(frozen=True)
@@ -181,13 +192,7 @@ def measure(client: httpx.Client, prompt: CompiledPrompt, policy: str, max_token
     with client.stream("POST", "/generate", json=body) as response:
         if response.status_code != 200:
             raise BenchError(f"/generate ({policy}) answered {response.status_code}: {response.read()[:300]!r}")
-        for line in response.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[len("data:"):].strip()
-            if data == "[DONE]":
-                break
-            event = json.loads(data)
+        for event in sse.events(response.iter_lines()):
             if "error" in event:
                 raise BenchError(f"/generate ({policy}) failed: {event['error']}")
             if ttft is None:

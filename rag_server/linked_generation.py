@@ -9,7 +9,6 @@ Chunks evicted between compile and link are compiled and linked again (rag_serve
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -18,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from rag_server import sse
 from rag_server.chunk_compiler import ChunkCompiler, CompileError
 from rag_server.relink import MAX_RELINKS, chunk_misses
 from sglang_patches.link_hints import CHUNK_POLICIES, LinkRequest, runtime_request
@@ -101,13 +101,7 @@ class LinkedGenerator:
                 status = response.status_code if 400 <= response.status_code < 500 else 502
                 raise GenerationError(f"runtime answered {response.status_code}: {detail}", status)
             emitted = 0
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
+            async for event in sse.aevents(response.aiter_lines()):
                 if "error" in event:
                     raise GenerationError(f"runtime error: {event['error']}")
                 # SGLang streams the cumulative text of the request.

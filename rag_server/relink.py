@@ -16,6 +16,8 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any, Optional
 
+from rag_server import sse
+
 MAX_RELINKS = 3
 
 
@@ -41,10 +43,11 @@ async def first_event(chunks: AsyncIterator[bytes]) -> tuple[bytes, Optional[dic
     async for chunk in chunks:
         buffered += chunk
         complete, separator, _ = buffered.rpartition(b"\n\n")
-        for line in complete.split(b"\n") if separator else ():
-            if line.startswith(b"data:"):
+        for line in complete.decode(errors="replace").split("\n") if separator else ():
+            data = sse.data_of(line)
+            if data is not None:
                 try:
-                    return buffered, json.loads(line[len(b"data:"):].strip())
+                    return buffered, json.loads(data)
                 except ValueError:
                     return buffered, None
     return buffered, None

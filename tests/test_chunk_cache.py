@@ -106,9 +106,9 @@ def test_chunks_lost_after_compile_are_compiled_and_linked_again(picrag_server, 
     """The frontend skips compiling pieces it compiled before; when the runtime has lost them
     (here: its cache flushed behind the frontend's back), the link reports misses and the
     frontend compiles and links again, streamed or not, before the client sees anything."""
-    import json
-
     import httpx
+
+    from rag_server import sse
 
     row = musique[59]
     prompt = layout.build(row["question"], passages_of(row, [0, 1, 2]))
@@ -132,8 +132,7 @@ def test_chunks_lost_after_compile_are_compiled_and_linked_again(picrag_server, 
         body = {"input_ids": prompt.input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": 8},
                 "stream": True, "kv_hints": link_hints("naive", list(prompt.chunks))}
         with client.stream("POST", "/generate", json=body) as response:
-            events = [json.loads(line[len("data:"):]) for line in response.iter_lines()
-                      if line.startswith("data:") and line != "data: [DONE]"]
+            events = list(sse.events(response.iter_lines()))
         assert relinks() == before + 2
     for out in (again, events[-1]):
         assert picrag_meta(out)["chunk_hits"] == 3 and picrag_meta(out)["chunk_misses"] == 0
