@@ -31,6 +31,7 @@ import httpx
 from rag_server.bench_common import (
     BenchError,
     Measured,
+    add_server_arguments,
     chunk_counters,
     load_layout,
     machine_description,
@@ -222,10 +223,7 @@ def register(commands) -> None:
     load.add_argument("--max-tokens", type=int, default=16, help="new tokens per request (default 16)")
     load.add_argument("--keep-order", action="store_true", help="do not shuffle passages per request")
     load.add_argument("--seed", type=int, default=0)
-    load.add_argument("--url", default=None, help="a running picrag server; default: start one here")
-    load.add_argument("--model", default=None, metavar="PRESET|PATH")
-    load.add_argument("--port", type=int, default=8032)
-    load.add_argument("--out", type=Path, required=True, metavar="DIR")
+    add_server_arguments(load, default_port=8032)
     load.set_defaults(func=_main)
 
 

@@ -33,6 +33,7 @@ from rag_server.bench_common import (
     Measured,
     PolicyChoice,
     QARow,
+    add_server_arguments,
     load_layout,
     machine_description,
     measure,
@@ -274,12 +275,7 @@ def register(commands) -> None:
     quality.add_argument("--max-passages", type=int, default=None, help="first N passages of each question")
     quality.add_argument("--max-tokens", type=int, default=32, help="new tokens per answer (default 32)")
     quality.add_argument("--top-logprobs", type=int, default=20, help="k of the first-token KL (default 20)")
-    quality.add_argument("--url", default=None, help="a running picrag server; default: start one here")
-    quality.add_argument("--model", default=None, metavar="PRESET|PATH",
-                         help="model of the server started here; with --url, the tokenizer to use "
-                         "(default: the server's model folder)")
-    quality.add_argument("--port", type=int, default=8031, help="port of the server started here")
-    quality.add_argument("--out", type=Path, required=True, metavar="DIR")
+    add_server_arguments(quality, default_port=8031)
     quality.set_defaults(func=_main)
 
 
