@@ -9,8 +9,6 @@ shared server, whose native routes it proxies like a runtime: the code under tes
 from __future__ import annotations
 
 import json
-import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -18,6 +16,7 @@ import pytest
 
 from rag_server.batch_qa import AskOptions, run_batch
 from rag_server.rag_service import DEFAULT_POLICY
+from tests.inprocess_frontend import frontend
 
 pytestmark = pytest.mark.server
 
@@ -49,24 +48,8 @@ def index_dir(retriever, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def index_frontend(picrag_server, index_dir):
-    import uvicorn
-
-    from rag_server.app import create_app
-    from rag_server.runtime import free_port
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(picrag_server.url, index_dir=index_dir),
-                                           host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 300
-    while not server.started:
-        assert thread.is_alive(), "the frontend with an index failed to start"
-        assert time.monotonic() < deadline, "the frontend with an index did not start in 300 s"
-        time.sleep(0.2)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(60)
+    with frontend(picrag_server.url, index_dir=index_dir) as url:
+        yield url
 
 
 def expected_sources(retriever, question: str, k: int) -> list[dict]:

@@ -11,43 +11,18 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import httpx
 import pytest
 
 from rag_server.auth import presented_key
+from tests.inprocess_frontend import frontend
 
 pytestmark = pytest.mark.server
 
 KEY = "s3cret-key"
 # Longer than the default model's 8,192-token window whatever the tokenizer does with it.
 TOO_LONG_TEXT = "hello " * 9_000
-
-
-@contextmanager
-def frontend(runtime_url: str, **options) -> Iterator[str]:
-    import uvicorn
-
-    from rag_server.app import create_app
-    from rag_server.runtime import free_port
-
-    port = free_port()
-    # lifespan "on": a failed start-up must fail the test, not leave a frontend without its state.
-    server = uvicorn.Server(uvicorn.Config(create_app(runtime_url, **options), host="127.0.0.1",
-                                           port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 300
-    while not server.started:
-        assert thread.is_alive(), "the in-process frontend failed to start"
-        assert time.monotonic() < deadline, "the in-process frontend did not start in 300 s"
-        time.sleep(0.2)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(60)
 
 
 @pytest.fixture(scope="module")
