@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default="auto", help="default: float32 on CPU, the model's dtype on CUDA")
     serve.add_argument("--attention-backend", default="auto",
                        help="default: picrag_native (torch_native computing only query rows) "
-                       "on CPU, flashinfer on CUDA")
+                       "on CPU, picrag_flashinfer (FlashInfer with true-position masks) on CUDA")
     serve.add_argument("--radix-cache-backend", default="pic",
                        help="SGLang radix-cache backend: 'pic' (picrag's chunk cache, default) "
                        "or '' for SGLang's default")

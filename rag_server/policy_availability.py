@@ -1,9 +1,9 @@
 """Which link policies a server can run, and why not.
 
 LegoLink (k > 0) and CacheBlend compute tokens that sit inside the prompt, so their attention
-must be masked by true position. Only picrag's CPU backend (`picrag_native`) does that today; on
-another backend (FlashInfer on CUDA) those requests would attend to later tokens, so the server
-refuses them with the reason instead of answering wrongly. CacheRepair needs a checkpoint for
+must be masked by true position. picrag's backends do that (`picrag_native` on CPU,
+`picrag_flashinfer` on CUDA); on any other backend those requests would attend to later tokens,
+so the server refuses them with the reason instead of answering wrongly. CacheRepair needs a checkpoint for
 the served model (rag_server/repair_checkpoint.py).
 """
 
@@ -17,18 +17,18 @@ from sglang_patches.link_hints import split_policy
 
 logger = logging.getLogger(__name__)
 
-POSITION_MASKED_BACKEND = "picrag_native"
+POSITION_MASKED_BACKENDS = ("picrag_native", "picrag_flashinfer")
 POSITION_MASKED_POLICIES = ("legolink", "cacheblend")
 FALLBACK_POLICY = "naive"
 
 
 def unavailable_policies(attention_backend: str, repair_unavailable: Optional[str]) -> dict[str, str]:
     unavailable = {}
-    if attention_backend != POSITION_MASKED_BACKEND:
+    if attention_backend not in POSITION_MASKED_BACKENDS:
         for family in POSITION_MASKED_POLICIES:
             unavailable[family] = (
                 f"it needs attention masked by true position, which the {attention_backend!r} attention "
-                f"backend does not do (only {POSITION_MASKED_BACKEND!r}, the CPU backend, does)"
+                f"backend does not do (picrag's backends do: {', '.join(POSITION_MASKED_BACKENDS)})"
             )
     if repair_unavailable:
         unavailable["cacherepair"] = repair_unavailable

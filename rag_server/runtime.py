@@ -52,6 +52,10 @@ def runtime_env(base: dict[str, str] | None = None, threads: int | None = None) 
     return env
 
 
+CPU_ATTENTION_BACKEND = "picrag_native"
+CUDA_ATTENTION_BACKEND = "picrag_flashinfer"
+
+
 @dataclass
 class RuntimeConfig:
     model_path: Path
@@ -82,7 +86,7 @@ class RuntimeConfig:
             attention_backend=(
                 self.attention_backend
                 if self.attention_backend != "auto"
-                else ("flashinfer" if on_cuda else "picrag_native")
+                else (CUDA_ATTENTION_BACKEND if on_cuda else CPU_ATTENTION_BACKEND)
             ),
             radix_cache_backend=self.radix_cache_backend,
             max_total_tokens=self.max_total_tokens,
@@ -115,6 +119,10 @@ class RuntimeConfig:
             cmd += ["--context-length", str(self.context_length)]
         if self.radix_cache_backend:
             cmd += ["--radix-cache-backend", self.radix_cache_backend]
+        if self.attention_backend == CUDA_ATTENTION_BACKEND:
+            # picrag's forward hooks (true positions, CacheBlend's shrink) and the position-masked
+            # extends do host-side work per batch, which a captured prefill graph would skip.
+            cmd += ["--cuda-graph-backend-prefill", "disabled"]
         return cmd + self.extra_args
 
     def env(self) -> dict[str, str]:

@@ -8,7 +8,8 @@ with a causal mask offset by the prefix length: O(extend_len * seq_len). Both ex
 gather a request's K/V with index_select, about 3x faster than tensor indexing on CPU (the
 gather was a fifth of vanilla's decode step).
 
-On CUDA picrag uses FlashInfer, whose paged prefill already computes only the extend rows.
+On CUDA picrag uses FlashInfer (sglang_patches.flashinfer_attention), whose paged prefill
+already computes only the extend rows.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+from sglang_patches.position_masks import batch_annotations, position_mask
 
 BACKEND_NAME = "picrag_native"
 
@@ -44,11 +47,6 @@ def gather_row(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
     return key, value
 
 
-def true_position_mask(row_positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
-    """Each query sees the row entries whose true position is not after its own."""
-    return row_positions.unsqueeze(0) <= query_positions.unsqueeze(1)
-
-
 class QueryOnlyTorchNativeBackend(TorchNativeAttnBackend):
     # Per batch index: the true position of every row entry (reordered LegoLink prompts) and
     # the positions of the queries when they are not the row's last entries (CacheBlend).
@@ -56,11 +54,7 @@ class QueryOnlyTorchNativeBackend(TorchNativeAttnBackend):
     _query_positions: dict[int, torch.Tensor] = {}
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        from sglang_patches.cacheblend import QUERY_POSITIONS_ATTR
-        from sglang_patches.positions import TRUE_POSITIONS_ATTR
-
-        self._true_positions = getattr(forward_batch, TRUE_POSITIONS_ATTR, {})
-        self._query_positions = getattr(forward_batch, QUERY_POSITIONS_ATTR, {})
+        self._true_positions, self._query_positions = batch_annotations(forward_batch)
         return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
 
     def _run_sdpa_forward_extend(
@@ -97,14 +91,11 @@ class QueryOnlyTorchNativeBackend(TorchNativeAttnBackend):
             slots = req_to_token[req_pool_indices[seq_idx], :kv_len]
             per_req_query = query[:, start_q:end_q, :]
             key, value = gather_row(k_cache, v_cache, slots, per_req_query.dtype)
-            true_positions = self._true_positions.get(seq_idx)
-            query_positions = self._query_positions.get(seq_idx)
-            if query_positions is not None:
-                row = torch.arange(kv_len, device=query.device) if true_positions is None else true_positions[:kv_len]
-                mask, is_causal = true_position_mask(row, query_positions), False
-            elif true_positions is not None:
-                row = true_positions[:kv_len]
-                mask, is_causal = true_position_mask(row, row[-q_len:]), False
+            mask = position_mask(
+                q_len, kv_len, self._true_positions.get(seq_idx), self._query_positions.get(seq_idx), query.device
+            )
+            if mask is not None:
+                is_causal = False
             elif q_len == kv_len and (sliding_window_size is None or sliding_window_size < 0):
                 mask, is_causal = None, True
             else:

@@ -4,6 +4,9 @@ SGLang calls `register` early in its main, scheduler and detokenizer processes. 
 * the radix-cache backend ``pic`` (`--radix-cache-backend pic`): sglang_patches.chunk_cache;
 * the attention backend ``picrag_native`` (`--attention-backend picrag_native`): SGLang's
   torch_native backend with extend attention on real query rows only (sglang_patches.attention);
+* the attention backend ``picrag_flashinfer`` (CUDA): SGLang's FlashInfer backend whose extends
+  with true-position annotations run FlashInfer prefill with a custom mask
+  (sglang_patches.flashinfer_attention);
 * a hook that adds each request's chunk-cache accounting to ``meta_info`` (sglang_patches.meta_info);
 * a hook that runs reordered LegoLink prompts at their true positions (sglang_patches.positions);
 * hooks that run CacheBlend's selective recompute in the forward (sglang_patches.cacheblend);
@@ -65,11 +68,12 @@ def register() -> None:
         )
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
-    from sglang_patches import attention, batch_annotations, cacheblend, meta_info, positions
+    from sglang_patches import attention, batch_annotations, cacheblend, flashinfer_attention, meta_info, positions
 
     if get_radix_cache_factory(RADIX_CACHE_BACKEND) is None:
         register_radix_cache_backend(RADIX_CACHE_BACKEND, _chunk_cache_factory)
     attention.register()
+    flashinfer_attention.register()
     meta_info.register()
     positions.register()
     cacheblend.register()

@@ -6,6 +6,7 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 import pytest
 import torch
+from torch.nn.functional import scaled_dot_product_attention
 
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
@@ -85,3 +86,52 @@ def test_decode_equals_torch_native():
     expected = run_decode(TorchNativeAttnBackend, [1, 17, 90])
     got = run_decode(QueryOnlyTorchNativeBackend, [1, 17, 90])
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def reference_prefill(q, k, v, *, custom_mask, causal, sm_scale, window_left, logits_soft_cap):
+    """FlashInfer's single-request prefill contract in SDPA: NHD tensors, custom_mask True = attend,
+    causal aligned with the row's end. Stands in for the CUDA kernel so that the FlashInfer
+    backend's own work (slot gathering, per-request masks, offsets) is checked on CPU."""
+    assert logits_soft_cap is None and window_left == -1
+    mask = custom_mask
+    if causal:
+        mask = offset_causal_mask(q.shape[0], k.shape[0], q.device)
+    out = scaled_dot_product_attention(
+        q.movedim(0, 1).unsqueeze(0), k.movedim(0, 1).unsqueeze(0), v.movedim(0, 1).unsqueeze(0),
+        attn_mask=mask, scale=sm_scale, enable_gqa=True,
+    )
+    return out.squeeze(0).movedim(0, 1)
+
+
+def test_flashinfer_position_masked_extend_equals_picrag_native():
+    """Three requests in one batch: a reordered LegoLink row (true positions), a CacheBlend row
+    (scattered query positions) and a plain one; the FlashInfer path's plumbing must give exactly
+    what picrag_native computes for the same annotations."""
+    from sglang_patches.flashinfer_attention import position_masked_extend
+
+    gen = torch.Generator().manual_seed(3)
+    seq_lens, extend_lens = [40, 30, 25], [9, 5, 25]
+    k_cache, v_cache, req_to_token = scattered_pool(seq_lens, 256, torch.int64, gen)
+    query = torch.randn(sum(extend_lens), HEADS, DIM, generator=gen)
+    true_positions = {0: torch.randperm(40, generator=gen)}
+    query_positions = {1: torch.tensor([3, 11, 12, 20, 29])}
+
+    native = object.__new__(QueryOnlyTorchNativeBackend)
+    native._true_positions, native._query_positions = true_positions, query_positions
+    expected = torch.zeros_like(query)
+    native._run_sdpa_forward_extend(
+        query, expected, k_cache, v_cache, req_to_token, torch.arange(3), torch.tensor(seq_lens),
+        torch.tensor([s - e for s, e in zip(seq_lens, extend_lens)]), torch.tensor(extend_lens),
+        scaling=DIM ** -0.5, enable_gqa=True, causal=True,
+    )
+    rows = [req_to_token[i, :n] for i, n in enumerate(seq_lens)]
+    got = position_masked_extend(
+        query, k_cache, v_cache, rows, extend_lens, true_positions, query_positions, reference_prefill,
+        sm_scale=DIM ** -0.5,
+    )
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    plain = position_masked_extend(
+        query, k_cache, v_cache, rows, extend_lens, {}, {}, reference_prefill, sm_scale=DIM ** -0.5,
+    )
+    assert not torch.allclose(plain[:14], expected[:14]), "the masks must change the annotated rows"
+    torch.testing.assert_close(plain[14:], expected[14:], atol=1e-6, rtol=1e-6)

@@ -199,10 +199,11 @@ def test_cli_policy_names_take_parameters():
         build_parser().parse_args(["serve", "--default-policy", "legolink:x"])
 
 
-def test_position_masked_policies_need_the_picrag_native_backend():
+def test_position_masked_policies_need_a_picrag_attention_backend():
     from rag_server.policy_availability import default_policy, unavailable_policies
 
     assert unavailable_policies("picrag_native", None) == {}
+    assert unavailable_policies("picrag_flashinfer", None) == {}
     on_gpu = unavailable_policies("flashinfer", "no checkpoint")
     assert set(on_gpu) == {"legolink", "cacheblend", "cacherepair"} and "'flashinfer'" in on_gpu["legolink"]
     assert default_policy(None, "legolink", on_gpu) == "naive"

@@ -42,6 +42,38 @@ def test_plugin_registers_cache_and_attention_backends():
     plugin.register()
     assert get_radix_cache_factory(plugin.RADIX_CACHE_BACKEND) is not None
     assert "picrag_native" in ATTENTION_BACKENDS and "picrag_native" in ATTENTION_BACKEND_CHOICES
+    assert "picrag_flashinfer" in ATTENTION_BACKENDS and "picrag_flashinfer" in ATTENTION_BACKEND_CHOICES
+
+
+def test_the_flashinfer_backend_members_picrag_relies_on():
+    """picrag_flashinfer subclasses SGLang's FlashInfer backend (importable without CUDA) and
+    calls these members of it."""
+    from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    from sglang_patches.flashinfer_attention import PositionMaskedFlashInferBackend
+
+    assert issubclass(PositionMaskedFlashInferBackend, FlashInferAttnBackend)
+    assert list(inspect.signature(FlashInferAttnBackend.forward_extend).parameters) == [
+        "self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache"
+    ]
+    assert list(inspect.signature(FlashInferAttnBackend.__init__).parameters)[:2] == ["self", "model_runner"]
+    assert "init_new_workspace" in inspect.signature(FlashInferAttnBackend.__init__).parameters
+    assert list(inspect.signature(KVWriteLoc.for_layer).parameters)[:3] == ["forward_batch", "layer", "swa_loc"]
+    assert callable(FlashInferAttnBackend._kv_write_scales)
+    assert callable(FlashInferAttnBackend._check_kv_attention_access)
+
+
+def test_cuda_runtime_uses_picrag_flashinfer_without_prefill_graphs(tmp_path):
+    from rag_server.runtime import RuntimeConfig
+
+    config = RuntimeConfig(model_path=tmp_path, device="cuda").resolved()
+    assert config.attention_backend == "picrag_flashinfer"
+    command = config.command()
+    assert command[command.index("--attention-backend") + 1] == "picrag_flashinfer"
+    assert command[command.index("--cuda-graph-backend-prefill") + 1] == "disabled"
+    cpu = RuntimeConfig(model_path=tmp_path, device="cpu").resolved()
+    assert cpu.attention_backend == "picrag_native" and "--cuda-graph-backend-prefill" not in cpu.command()
 
 
 def test_signatures_of_the_forward_hooks():
