@@ -8,6 +8,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import shlex
 import signal
 import subprocess
 from pathlib import Path
@@ -102,10 +103,13 @@ def zero_repair_checkpoint(default_model_dir: Path, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def picrag_server(default_model_dir: Path, zero_repair_checkpoint: Path, tmp_path_factory) -> ServerHandle:
-    """`picrag serve` on the default model, shared by the whole session."""
+    """`picrag serve` on the default model, shared by the whole session. PICRAG_TEST_SERVER_ARGS
+    adds serve arguments (scripts/gpu_check.sh runs the equivalence tests on CUDA with it)."""
     log = tmp_path_factory.mktemp("server") / "server.log"
     handle = start_picrag_server(
-        log, ["--max-total-tokens", "16384", "--repair-checkpoint", str(zero_repair_checkpoint)]
+        log,
+        ["--max-total-tokens", "16384", "--repair-checkpoint", str(zero_repair_checkpoint),
+         *shlex.split(os.environ.get("PICRAG_TEST_SERVER_ARGS", ""))],
     )
     yield handle
     stop_picrag_server(handle)
