@@ -115,3 +115,13 @@ def test_the_shipped_checkpoint_is_for_the_default_model(default_model_dir):
     repairer = load_repairer(shipped, read_token_embedding(default_model_dir),
                              model_fingerprint(default_model_dir, torch.float32))
     assert repairer.network.head.weight.abs().sum() > 0  # trained, not the zero initialisation
+
+
+def test_the_shipped_qwen_checkpoint_fits_the_converted_preset():
+    from rag_server.model_store import models_dir
+    from rag_server.repair_checkpoint import SHIPPED_DIR, choose_repair_checkpoint
+
+    qwen = models_dir() / "qwen2.5-coder-0.5b"
+    if not (qwen / "config.json").is_file():
+        pytest.skip("the qwen2.5-coder-0.5b preset is converted on first use, not by setup")
+    assert choose_repair_checkpoint(qwen, None) == (SHIPPED_DIR / qwen.name, None)
