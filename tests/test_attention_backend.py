@@ -135,3 +135,73 @@ def test_flashinfer_position_masked_extend_equals_picrag_native():
     )
     assert not torch.allclose(plain[:14], expected[:14]), "the masks must change the annotated rows"
     torch.testing.assert_close(plain[14:], expected[14:], atol=1e-6, rtol=1e-6)
+
+
+class RecordingPool:
+    """The few KV-pool members the FlashInfer backend's masked path uses, over plain tensors."""
+
+    def __init__(self, k_cache, v_cache):
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+    def set_kv_buffer(self, layer, write_loc, k, v, k_scale, v_scale):
+        self.k_cache[write_loc.loc] = k
+        self.v_cache[write_loc.loc] = v
+
+    def get_key_buffer(self, layer_id):
+        return self.k_cache
+
+    def get_value_buffer(self, layer_id):
+        return self.v_cache
+
+
+def test_flashinfer_backend_writes_the_extend_kv_then_masks_annotated_batches(monkeypatch):
+    """The class glue around position_masked_extend: it stores the batch's new K/V at
+    out_cache_loc before attending, reads the row lengths from the (possibly shrunk) batch, and
+    leaves unannotated batches to SGLang's FlashInfer path."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+
+    from sglang_patches import flashinfer_attention
+    from sglang_patches.positions import TRUE_POSITIONS_ATTR
+
+    gen = torch.Generator().manual_seed(5)
+    seq_lens, extend_lens = [30, 12], [6, 12]
+    k_cache, v_cache, req_to_token = scattered_pool(seq_lens, 128, torch.int64, gen)
+    new_slots = torch.cat([req_to_token[0, 24:30], req_to_token[1, :12]])
+    fresh_k = torch.randn(18, KV_HEADS, DIM, generator=gen)
+    fresh_v = torch.randn(18, KV_HEADS, DIM, generator=gen)
+    query = torch.randn(18, HEADS, DIM, generator=gen)
+    true_positions = {0: torch.randperm(30, generator=gen)}
+
+    backend = object.__new__(flashinfer_attention.PositionMaskedFlashInferBackend)
+    backend.token_to_kv_pool = RecordingPool(k_cache.clone(), v_cache.clone())
+    backend.req_to_token_pool = SimpleNamespace(req_to_token=req_to_token)
+    backend.forward_metadata = SimpleNamespace(swa_out_cache_loc=None)
+    backend.prefill_uses_dequant_workspace = False
+    backend.kv_cache_quant_method = SimpleNamespace(needs_global_scale=lambda: False)
+    layer = SimpleNamespace(
+        layer_id=0, tp_q_head_num=HEADS, head_dim=DIM, scaling=DIM ** -0.5, logit_cap=0.0,
+        sliding_window_size=-1, is_cross_attention=False, k_scale=None, v_scale=None,
+    )
+    batch = SimpleNamespace(
+        out_cache_loc=new_slots, out_cache_loc_is_physical=False, req_pool_indices=torch.arange(2),
+        seq_lens=torch.tensor(seq_lens), extend_seq_lens=torch.tensor(extend_lens),
+    )
+    monkeypatch.setattr(flashinfer_attention, "flashinfer_prefill", lambda: reference_prefill)
+    monkeypatch.setattr(FlashInferAttnBackend, "forward_extend", lambda *args, **kwargs: "stock")
+
+    assert backend.forward_extend(query.flatten(1), fresh_k, fresh_v, layer, batch) == "stock"
+    setattr(batch, TRUE_POSITIONS_ATTR, true_positions)
+    got = backend.forward_extend(query.flatten(1), fresh_k, fresh_v, layer, batch)
+
+    k_cache[new_slots], v_cache[new_slots] = fresh_k, fresh_v
+    torch.testing.assert_close(backend.token_to_kv_pool.k_cache, k_cache)
+    native = object.__new__(QueryOnlyTorchNativeBackend)
+    native._true_positions, native._query_positions = true_positions, {}
+    expected = torch.zeros_like(query)
+    native._run_sdpa_forward_extend(
+        query, expected, k_cache, v_cache, req_to_token, torch.arange(2), torch.tensor(seq_lens),
+        torch.tensor([24, 0]), torch.tensor(extend_lens), scaling=DIM ** -0.5, enable_gqa=True, causal=True,
+    )
+    torch.testing.assert_close(got, expected.flatten(1), atol=1e-6, rtol=1e-6)
