@@ -23,6 +23,7 @@ import torch
 from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
+from sglang_patches.attention import gather_kv
 from sglang_patches.position_masks import batch_annotations, position_mask
 
 BACKEND_NAME = "picrag_flashinfer"
@@ -60,10 +61,7 @@ def position_masked_extend(
     start = 0
     for index, (slots, q_len) in enumerate(zip(rows, extend_lens)):
         end = start + q_len
-        key = key_buffer.index_select(0, slots)
-        value = value_buffer.index_select(0, slots)
-        if key.dtype != query.dtype:
-            key, value = key.to(query.dtype), value.to(query.dtype)
+        key, value = gather_kv(key_buffer, value_buffer, slots, query.dtype)
         mask = position_mask(
             q_len, len(slots), true_positions.get(index), query_positions.get(index), query.device
         )
