@@ -30,8 +30,8 @@ from pathlib import Path
 
 import httpx
 
-from rag_server.prompt_layout import PromptLayout, PromptPassage
-from rag_server.serve_process import start_picrag_serve
+from retrieval.prompt_layout import PromptLayout, PromptPassage
+from rag_server.launch.serve_process import start_picrag_serve
 from sglang_patches.link_hints import link_hints
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,7 +61,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from rag_server.model_store import ensure_model
+    from sglang_patches.model_store import ensure_model
 
     layout = PromptLayout(AutoTokenizer.from_pretrained(ensure_model()))
     rows = [json.loads(line) for line in QA.read_text().splitlines()][: args.rows]

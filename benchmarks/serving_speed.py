@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from rag_server.serve_process import start_picrag_serve
+from rag_server.launch.serve_process import start_picrag_serve
 
 REPO = Path(__file__).resolve().parents[1]
 QA = REPO.parent / "shared" / "data" / "qa" / "musique.dev.jsonl"
@@ -83,7 +83,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rag_server.model_store import ensure_model
+    from sglang_patches.model_store import ensure_model
 
     model_dir = ensure_model()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -22,7 +22,7 @@ DEFAULT_MAX_PASSAGE_TOKENS = 200
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from cache_repair.config import TrainOptions
+    from sglang_patches.repair.config import TrainOptions
 
     parser = subparsers.add_parser(
         "repair", help="train and evaluate a CacheRepair network for a model",
@@ -104,7 +104,7 @@ def _threads_option(parser: argparse.ArgumentParser) -> None:
 
 def _errors() -> tuple[type[Exception], ...]:
     # Every cache_repair error is a ValueError (bad pairs, checkpoint, model folder, options).
-    from rag_server.model_store import ModelStoreError
+    from sglang_patches.model_store import ModelStoreError
 
     return ValueError, OSError, ModelStoreError
 
@@ -127,7 +127,7 @@ def _guarded(name: str, handler: Handler) -> Handler:
 
 def _pairs(args: argparse.Namespace) -> int:
     from cache_repair.pairs import DEFAULT_DATA, generate_pairs
-    from rag_server.model_store import resolve_model
+    from sglang_patches.model_store import resolve_model
 
     generate_pairs(args.out, resolve_model(args.model), args.groups, args.val_groups, args.seed,
                    args.max_passage_tokens, args.data or DEFAULT_DATA)
@@ -135,9 +135,9 @@ def _pairs(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from cache_repair.config import TrainOptions
+    from sglang_patches.repair.config import TrainOptions
     from cache_repair.train import Trainer
-    from rag_server.model_store import resolve_model
+    from sglang_patches.model_store import resolve_model
 
     options = TrainOptions(steps=args.steps, lr=args.lr, width=args.width, blocks=args.blocks,
                            warmup=args.warmup, val_every=args.val_every, seed=args.seed)
@@ -147,11 +147,11 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from cache_repair.checkpoint import load_repairer
-    from cache_repair.config import read_token_embedding
+    from sglang_patches.repair.checkpoint import load_repairer
+    from sglang_patches.repair.config import read_token_embedding
     from cache_repair.pairs import pairs_model, shard_paths
     from cache_repair.train import evaluate
-    from rag_server.model_store import resolve_model
+    from sglang_patches.model_store import resolve_model
 
     model_dir, fingerprint = pairs_model(args.pairs, resolve_model(args.model) if args.model else None)
     repairer = load_repairer(args.checkpoint, read_token_embedding(model_dir), fingerprint)

@@ -1,7 +1,7 @@
 """Training pairs from the real LLM: each group's chunk KV computed alone (stale) and jointly.
 
 A group is a few NQ gold passages laid out exactly as at serving time
-(`rag_server.prompt_layout`): stale = each passage prefilled alone at positions 0..n-1 (no
+(`retrieval.prompt_layout`): stale = each passage prefilled alone at positions 0..n-1 (no
 head, no BOS), joint = head + passage 1 + passage 2 + ... in one prefill. K is taken after
 RoPE from the cache and rotated back by each token's own position (local for stale, global
 for joint), so both live in RoPE-free coordinates where the only difference left is the
@@ -30,9 +30,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from cache_repair.config import RepairConfig, read_hf_config
-from rag_server.prompt_layout import PromptLayout, PromptPassage
-from sglang_patches.disk_chunk_store import model_fingerprint
+from sglang_patches.repair.config import RepairConfig, read_hf_config
+from retrieval.prompt_layout import PromptLayout, PromptPassage
+from sglang_patches.model_fingerprint import model_fingerprint
 from sglang_patches.rope_shift import KeyShifter
 
 logger = logging.getLogger(__name__)

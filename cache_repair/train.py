@@ -4,7 +4,7 @@ One step is one group (one request's chunks). The loss is the MSE between the ne
 output and (joint - stale) / delta_sigma in normalised RoPE-free coordinates, over every
 chunk token, layer, head, K and V. The out dir holds a resumable training state
 (train_state.pt: network, optimizer, scheduler, step, statistics) written at every
-validation, and at the end the checkpoint that serving loads (`cache_repair.checkpoint`).
+validation, and at the end the checkpoint that serving loads (`sglang_patches.repair.checkpoint`).
 
 Quality is reported as the per-layer relative KV error ||repaired - joint|| / ||stale - joint||
 over a split: 1.0 is the stale cache, 0.0 a perfect repair.
@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from cache_repair.checkpoint import save_checkpoint
-from cache_repair.config import RepairConfig, TrainOptions, read_token_embedding
-from cache_repair.network import RepairNetwork
-from cache_repair.normalization import CONTEXT_FREE_RATIO, KVStats, KVStatsAccumulator
+from sglang_patches.repair.checkpoint import save_checkpoint
+from sglang_patches.repair.config import RepairConfig, TrainOptions, read_token_embedding
+from sglang_patches.repair.network import RepairNetwork
+from sglang_patches.repair.normalization import CONTEXT_FREE_RATIO, KVStats, KVStatsAccumulator
 from cache_repair.pairs import Pair, pairs_model, read_manifest, shard_paths
 
 logger = logging.getLogger(__name__)

@@ -37,15 +37,15 @@ def _policy_name(text: str) -> str:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from rag_server.app import create_app
-    from rag_server.auth import API_KEY_ENV
-    from rag_server.model_store import resolve_model
-    from rag_server.runtime import RuntimeConfig, SGLangRuntime
+    from rag_server.api.app import create_app
+    from rag_server.api.auth import API_KEY_ENV
+    from sglang_patches.model_store import resolve_model
+    from rag_server.launch.runtime import RuntimeConfig, SGLangRuntime
 
-    from cache_repair.checkpoint import RepairCheckpointError
-    from rag_server.policy_availability import default_policy, unavailable_policies
-    from rag_server.rag_service import DEFAULT_POLICY
-    from rag_server.repair_checkpoint import choose_repair_checkpoint
+    from sglang_patches.repair.checkpoint import RepairCheckpointError
+    from rag_server.linking.policy_availability import default_policy, unavailable_policies
+    from rag_server.service.rag_service import DEFAULT_POLICY
+    from rag_server.launch.repair_checkpoint import choose_repair_checkpoint
     from sglang_patches.link_hints import split_policy
 
     model_path = resolve_model(args.model)
@@ -101,7 +101,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _ask(args: argparse.Namespace) -> int:
-    from rag_server.batch_qa import AskOptions, BatchError, run_batch
+    from rag_server.bench.batch_qa import AskOptions, BatchError, run_batch
 
     options = AskOptions(
         url=args.url, policy=args.policy, max_tokens=args.max_tokens, top_k=args.top_k,
@@ -126,15 +126,15 @@ def _positive_int(text: str) -> int:
 
 
 def _model_prepare(args: argparse.Namespace) -> int:
-    from rag_server.model_store import ensure_model
+    from sglang_patches.model_store import ensure_model
 
     print(ensure_model(args.preset))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rag_server.model_store import DEFAULT_PRESET, PRESETS
-    from rag_server.rag_service import DEFAULT_POLICY
+    from sglang_patches.model_store import DEFAULT_PRESET, PRESETS
+    from rag_server.service.rag_service import DEFAULT_POLICY
     from sglang_patches.link_hints import POLICIES
 
     parser = argparse.ArgumentParser(
@@ -144,8 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    from rag_server.admission import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_QUEUE
-    from rag_server.auth import API_KEY_ENV
+    from rag_server.api.admission import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_QUEUE
+    from rag_server.api.auth import API_KEY_ENV
 
     serve = commands.add_parser(
         "serve", help="start the SGLang runtime and the picrag HTTP frontend",
@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("preset", nargs="?", default=DEFAULT_PRESET, choices=sorted(PRESETS))
     prepare.set_defaults(func=_model_prepare)
 
-    from rag_server import bench_load, bench_quality
+    from rag_server.bench import load as bench_load, quality as bench_quality
 
     bench = commands.add_parser("bench", help="quality and load benchmarks of the link policies")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="KIND")

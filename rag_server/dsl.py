@@ -16,8 +16,8 @@
     sgl.set_default_backend(backend)
     state = rag.run(question=q, passages=retrieve(backend, q, k=3))
 
-`chunk()` returns the passage formatted as in every picrag prompt (rag_server/prompt_layout.py),
-wrapped in chunk markers (rag_server/chunk_markers.py) that the frontend turns into chunk
+`chunk()` returns the passage formatted as in every picrag prompt (retrieval/prompt_layout.py),
+wrapped in chunk markers (rag_server/api/chunk_markers.py) that the frontend turns into chunk
 boundaries; so the DSL needs no change and the same passage hits the same cache entry as in
 `/rag/query`. The markers stay in the program's text (`strip_markers` removes them for display).
 """
@@ -29,8 +29,8 @@ from typing import Any
 
 import requests
 
-from rag_server.chunk_markers import mark_chunk, strip_markers
-from rag_server.prompt_layout import PromptPassage, passage_text
+from rag_server.api.chunk_markers import mark_chunk, strip_markers
+from retrieval.prompt_layout import PromptPassage, passage_text
 
 __all__ = ["RetrievedPassage", "chunk", "retrieve", "strip_markers"]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from retrieval.model_info import EmbeddingModelInfo, default_model_path, model_fingerprint, model_name
+from retrieval.model_info import EmbeddingModelInfo, default_model_path, embedding_model_fingerprint, model_name
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class Embedder:
     @functools.cached_property
     def info(self) -> EmbeddingModelInfo:
         return EmbeddingModelInfo(name=self.name, dimension=self.dimension,
-                                  fingerprint=model_fingerprint(self.model_path), path=str(self.model_path))
+                                  fingerprint=embedding_model_fingerprint(self.model_path), path=str(self.model_path))
 
     def embed_documents(self, texts: Sequence[str], *, progress: bool = False) -> np.ndarray:
         """Unit-length float32 vectors, one row per text."""

@@ -54,7 +54,7 @@ class EmbeddingModelInfo:
                    path=row.get("path", ""))
 
 
-def model_fingerprint(model_dir: Path) -> str:
+def embedding_model_fingerprint(model_dir: Path) -> str:
     digest = hashlib.sha256()
     for file in _loaded_model_files(model_dir):
         digest.update(file.relative_to(model_dir).as_posix().encode("utf-8") + b"\0")

@@ -17,7 +17,7 @@ It is SGLang's own `RadixCache`, with two namespaces added through `extra_key`:
 
 Vanilla requests (no picrag hint) and ``prefix`` use the plain tree; ``full`` matches nothing
 and stores nothing. ``cacherepair`` grafts like ``naive`` and then corrects the grafted KV with
-the repair network (sglang_patches.kv_repair). ``cacheblend`` grafts only the head: its chunks
+the repair network (sglang_patches.repair.kv_repair). ``cacheblend`` grafts only the head: its chunks
 are extend tokens whose cached KV is placed in the forward (sglang_patches.cacheblend), and its
 requests are never inserted.
 """
@@ -38,7 +38,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sglang_patches.cacheblend import PLAN_ATTR, blend_plan
 from sglang_patches.disk_chunk_store import CorruptChunkFile, DiskChunkStore
-from sglang_patches.kv_repair import RepairSpan, repair_spans
+from sglang_patches.repair.kv_repair import RepairSpan, repair_spans
 from sglang_patches.legolink_layout import legolink_layout
 from sglang_patches.link_hints import (
     CHUNK_POLICIES,

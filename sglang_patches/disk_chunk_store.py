@@ -6,9 +6,7 @@ metadata repeats the fingerprint and the chunk key and carries a SHA-256 of the 
 so a truncated, corrupted or foreign file is detected, reported and ignored (the chunk is
 recomputed and the file rewritten), never used. Writes go to a temporary file and are renamed.
 
-The fingerprint covers everything that changes a chunk's KV: the model config (architecture,
-sizes, rope), the weights (sizes and the SHA-256 of the first and last MiB of each weight
-file), the tokenizer files and the KV dtype.
+The fingerprint (sglang_patches.model_fingerprint) names everything that changes a chunk's KV.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ import hashlib
 import json
 import logging
 import os
-from array import array
 from pathlib import Path
 from typing import Optional
 
@@ -25,30 +22,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from sglang_patches.chunk_key import chunk_key
+
 logger = logging.getLogger(__name__)
 
 STORE_DIR_ENV = "PICRAG_CHUNK_STORE_DIR"
-_EDGE_BYTES = 1 << 20
-
-
-def chunk_key(token_ids) -> str:
-    return hashlib.sha256(array("q", token_ids).tobytes()).hexdigest()
-
-
-def model_fingerprint(model_path: Path, kv_dtype: torch.dtype) -> str:
-    digest = hashlib.sha256(str(kv_dtype).encode())
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        path = model_path / name
-        if path.is_file():
-            digest.update(name.encode() + path.read_bytes())
-    for path in sorted(model_path.glob("*.safetensors")) + sorted(model_path.glob("*.bin")):
-        size = path.stat().st_size
-        digest.update(f"{path.name}:{size}".encode())
-        with path.open("rb") as f:
-            digest.update(f.read(_EDGE_BYTES))
-            f.seek(max(0, size - _EDGE_BYTES))
-            digest.update(f.read(_EDGE_BYTES))
-    return digest.hexdigest()[:32]
 
 
 def _tensor_digest(keys: torch.Tensor, values: torch.Tensor) -> str:

@@ -28,7 +28,8 @@ def _disk_store(ctx, kv_pool):
     import os
     from pathlib import Path
 
-    from sglang_patches.disk_chunk_store import STORE_DIR_ENV, DiskChunkStore, model_fingerprint
+    from sglang_patches.disk_chunk_store import STORE_DIR_ENV, DiskChunkStore
+    from sglang_patches.model_fingerprint import model_fingerprint
 
     root = os.environ.get(STORE_DIR_ENV)
     if not root:
@@ -46,7 +47,7 @@ def _chunk_cache_factory(ctx):
     from sglang_patches.metrics import prometheus_counters
     from sglang_patches.rope_shift import KeyShifter
 
-    from sglang_patches.kv_repair import load_engine_repairer
+    from sglang_patches.repair.kv_repair import load_engine_repairer
 
     model = ctx.tp_worker.model_runner.model
     kv_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from rag_server.prompt_layout import PromptLayout, PromptPassage
+from retrieval.prompt_layout import PromptLayout, PromptPassage
 from sglang_patches.link_hints import link_hints
 
 

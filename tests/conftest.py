@@ -30,13 +30,13 @@ def shared_qa() -> Path:
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    from rag_server.model_store import ensure_model
+    from sglang_patches.model_store import ensure_model
 
     return ensure_model()
 
 
 def _free_port() -> int:
-    from rag_server.runtime import free_port
+    from rag_server.launch.runtime import free_port
 
     return free_port()
 
@@ -52,7 +52,7 @@ class ServerHandle:
 
 
 def start_picrag_server(log: Path, extra_args: list[str]) -> ServerHandle:
-    from rag_server.serve_process import ServeStartError, start_picrag_serve
+    from rag_server.launch.serve_process import ServeStartError, start_picrag_serve
 
     port = _free_port()
     try:
@@ -84,11 +84,11 @@ def zero_repair_checkpoint(default_model_dir: Path, tmp_path_factory) -> Path:
     head is zero-initialised, so it repairs nothing (cacherepair must then equal naive)."""
     import torch
 
-    from cache_repair.checkpoint import save_checkpoint
-    from cache_repair.config import RepairConfig, read_token_embedding
-    from cache_repair.network import RepairNetwork
-    from cache_repair.normalization import KVStats
-    from sglang_patches.disk_chunk_store import model_fingerprint
+    from sglang_patches.repair.checkpoint import save_checkpoint
+    from sglang_patches.repair.config import RepairConfig, read_token_embedding
+    from sglang_patches.repair.network import RepairNetwork
+    from sglang_patches.repair.normalization import KVStats
+    from sglang_patches.model_fingerprint import model_fingerprint
 
     config = RepairConfig.for_model(default_model_dir, width=32, blocks=1)
     shape = (config.num_layers, config.num_kv_heads, 2, config.head_dim)

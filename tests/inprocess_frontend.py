@@ -13,8 +13,8 @@ def frontend(runtime_url: str, **options) -> Iterator[str]:
     """`create_app(runtime_url, **options)` on a free port; yields its URL."""
     import uvicorn
 
-    from rag_server.app import create_app
-    from rag_server.runtime import free_port
+    from rag_server.api.app import create_app
+    from rag_server.launch.runtime import free_port
 
     port = free_port()
     # lifespan "on": a failed start-up must fail the test, not leave a frontend without its state.

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from rag_server.bench_common import parse_policies
-from rag_server.bench_load import LoadOptions, run_load
-from rag_server.bench_quality import QualityOptions, first_token_kl, run_quality
-from rag_server.model_store import PRESETS, ModelStoreError
+from rag_server.bench.common import parse_policies
+from rag_server.bench.load import LoadOptions, run_load
+from rag_server.bench.quality import QualityOptions, first_token_kl, run_quality
+from sglang_patches.model_store import PRESETS, ModelStoreError
 
 
 def test_unknown_policies_are_reported_not_dropped():

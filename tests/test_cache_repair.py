@@ -14,16 +14,16 @@ import torch
 from safetensors.torch import load_file
 
 from cache_repair import pairs as pairs_module
-from cache_repair.checkpoint import (
+from sglang_patches.repair.checkpoint import (
     RepairCheckpointError,
     RepairCheckpointMismatch,
     load_repairer,
     save_checkpoint,
 )
 from cache_repair.cli import register
-from cache_repair.config import RepairConfig, read_token_embedding
-from cache_repair.network import KVRepairer, RepairNetwork
-from cache_repair.normalization import KVStats, KVStatsAccumulator
+from sglang_patches.repair.config import RepairConfig, read_token_embedding
+from sglang_patches.repair.network import KVRepairer, RepairNetwork
+from sglang_patches.repair.normalization import KVStats, KVStatsAccumulator
 from cache_repair.pairs import (
     Pair,
     PairMaker,
@@ -236,7 +236,7 @@ def test_tiny_pairs_train_and_eval(maker, default_model_dir, shared_qa, tmp_path
     summary = json.loads((checkpoint / "config.json").read_text())["training"]
     assert summary["steps"] == 40 and summary["val_relative_error"]["relative_k"][0] is None
 
-    from sglang_patches.disk_chunk_store import model_fingerprint
+    from sglang_patches.model_fingerprint import model_fingerprint
 
     embedding = read_token_embedding(default_model_dir)
     repairer = load_repairer(checkpoint, embedding, model_fingerprint(default_model_dir, torch.float32))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_patches.kv_repair import RepairSpan, repair_spans
+from sglang_patches.repair.kv_repair import RepairSpan, repair_spans
 from sglang_patches.rope_shift import KeyShifter
 from tests.chunk_requests import counters, first_token_top, layout, musique, passages_of, picrag_meta, run
 
@@ -74,8 +74,8 @@ def test_nothing_grafted_nothing_repaired():
 
 
 def test_serve_refuses_a_checkpoint_for_another_model(tmp_path, default_model_dir, zero_repair_checkpoint):
-    from cache_repair.checkpoint import RepairCheckpointMismatch
-    from rag_server.repair_checkpoint import choose_repair_checkpoint
+    from sglang_patches.repair.checkpoint import RepairCheckpointMismatch
+    from rag_server.launch.repair_checkpoint import choose_repair_checkpoint
 
     assert choose_repair_checkpoint(default_model_dir, zero_repair_checkpoint) == (zero_repair_checkpoint, None)
     other_model = tmp_path / "other-model"
@@ -105,10 +105,10 @@ def test_zero_initialised_repair_is_exactly_naive(picrag_server, layout, musique
 
 
 def test_the_shipped_checkpoint_is_for_the_default_model(default_model_dir):
-    from cache_repair.checkpoint import load_repairer
-    from cache_repair.config import read_token_embedding
-    from rag_server.repair_checkpoint import SHIPPED_DIR, choose_repair_checkpoint
-    from sglang_patches.disk_chunk_store import model_fingerprint
+    from sglang_patches.repair.checkpoint import load_repairer
+    from sglang_patches.repair.config import read_token_embedding
+    from rag_server.launch.repair_checkpoint import SHIPPED_DIR, choose_repair_checkpoint
+    from sglang_patches.model_fingerprint import model_fingerprint
 
     shipped = SHIPPED_DIR / default_model_dir.name
     assert choose_repair_checkpoint(default_model_dir, None) == (shipped, None)
@@ -118,8 +118,8 @@ def test_the_shipped_checkpoint_is_for_the_default_model(default_model_dir):
 
 
 def test_the_shipped_qwen_checkpoint_fits_the_converted_preset():
-    from rag_server.model_store import models_dir
-    from rag_server.repair_checkpoint import SHIPPED_DIR, choose_repair_checkpoint
+    from sglang_patches.model_store import models_dir
+    from rag_server.launch.repair_checkpoint import SHIPPED_DIR, choose_repair_checkpoint
 
     qwen = models_dir() / "qwen2.5-coder-0.5b"
     if not (qwen / "config.json").is_file():

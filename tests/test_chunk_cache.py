@@ -108,7 +108,7 @@ def test_chunks_lost_after_compile_are_compiled_and_linked_again(picrag_server, 
     frontend compiles and links again, streamed or not, before the client sees anything."""
     import httpx
 
-    from rag_server import sse
+    from rag_server.linking import sse
 
     row = musique[59]
     prompt = layout.build(row["question"], passages_of(row, [0, 1, 2]))

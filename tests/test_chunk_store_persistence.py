@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_patches.disk_chunk_store import CorruptChunkFile, DiskChunkStore, chunk_key, model_fingerprint
+from sglang_patches.chunk_key import chunk_key
+from sglang_patches.disk_chunk_store import CorruptChunkFile, DiskChunkStore
+from sglang_patches.model_fingerprint import model_fingerprint
 from tests.chunk_requests import counters, generate, layout, logprobs_of, musique, passages_of, picrag_meta
 from tests.conftest import start_picrag_server, stop_picrag_server
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rag_server.batch_qa import read_questions
-from rag_server.scoring import mean_scores, score_answer
+from rag_server.bench.batch_qa import read_questions
+from rag_server.bench.scoring import mean_scores, score_answer
 
 pytestmark = pytest.mark.server
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from rag_server.chunk_markers import strip_markers, tokenize_marked
+from rag_server.api.chunk_markers import strip_markers, tokenize_marked
 from rag_server.dsl import chunk
-from rag_server.prompt_layout import PromptLayout
-from rag_server.rag_service import DEFAULT_POLICY
+from retrieval.prompt_layout import PromptLayout
+from rag_server.service.rag_service import DEFAULT_POLICY
 from sglang_patches.link_hints import DEFAULT_LEGOLINK_K, link_hints
 
 pytestmark = pytest.mark.server

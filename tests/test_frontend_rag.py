@@ -8,8 +8,8 @@ import json
 import httpx
 import pytest
 
-from rag_server.prompt_layout import PromptLayout, PromptPassage
-from rag_server.rag_api import MAX_BODY_BYTES, MAX_DOCUMENTS, MAX_QUESTION_CHARS
+from retrieval.prompt_layout import PromptLayout, PromptPassage
+from rag_server.api.rag_api import MAX_BODY_BYTES, MAX_DOCUMENTS, MAX_QUESTION_CHARS
 from retrieval.passage import passage_id
 from sglang_patches.link_hints import link_hints
 

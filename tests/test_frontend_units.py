@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-from rag_server.batch_qa import AskOptions, Asker, BatchError, Question, read_answers, read_questions
-from rag_server.chunk_markers import (CHUNK_BEGIN, CHUNK_END, Segment, link_marked_payload, mark_chunk,
+from rag_server.bench.batch_qa import AskOptions, Asker, BatchError, Question, read_answers, read_questions
+from rag_server.api.chunk_markers import (CHUNK_BEGIN, CHUNK_END, Segment, link_marked_payload, mark_chunk,
                                       split_marked, tokenize_marked)
 from rag_server.cli import build_parser
-from rag_server.context_window import ContextLimits, PromptTooLong, ScoredPassage, fit_passages
-from rag_server.prompt_layout import PromptLayout, PromptPassage, passage_text
-from rag_server.rag_service import RagRequest, RagRequestError, RagService, keep_best
+from rag_server.service.context_window import ContextLimits, PromptTooLong, ScoredPassage, fit_passages
+from retrieval.prompt_layout import PromptLayout, PromptPassage, passage_text
+from rag_server.service.rag_service import RagRequest, RagRequestError, RagService, keep_best
 from sglang_patches.link_hints import parse_link_request
 
 PASSAGES = [
@@ -200,7 +200,7 @@ def test_cli_policy_names_take_parameters():
 
 
 def test_position_masked_policies_need_a_picrag_attention_backend():
-    from rag_server.policy_availability import default_policy, unavailable_policies
+    from rag_server.linking.policy_availability import default_policy, unavailable_policies
 
     assert unavailable_policies("picrag_native", None) == {}
     assert unavailable_policies("picrag_flashinfer", None) == {}
@@ -212,7 +212,7 @@ def test_position_masked_policies_need_a_picrag_attention_backend():
 
 
 def test_relink_reads_chunk_misses_from_the_first_event_and_from_whole_answers():
-    from rag_server.relink import chunk_misses, first_event, response_misses
+    from rag_server.linking.relink import chunk_misses, first_event, response_misses
 
     async def stream(parts):
         for part in parts:
@@ -228,7 +228,7 @@ def test_relink_reads_chunk_misses_from_the_first_event_and_from_whole_answers()
 
 
 def test_compiler_skips_pieces_it_compiled_and_forgets_them_on_flush():
-    from rag_server.chunk_compiler import ChunkCompiler
+    from rag_server.linking.chunk_compiler import ChunkCompiler
     from sglang_patches.link_hints import LinkRequest
 
     sent = []

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from rag_server.auth import presented_key
+from rag_server.api.auth import presented_key
 from tests.inprocess_frontend import frontend
 
 pytestmark = pytest.mark.server
@@ -173,7 +173,7 @@ def test_requests_over_the_context_window_are_4xx_and_harmless(picrag_server, la
 def layout(default_model_dir):
     from transformers import AutoTokenizer
 
-    from rag_server.prompt_layout import PromptLayout
+    from retrieval.prompt_layout import PromptLayout
 
     return PromptLayout(AutoTokenizer.from_pretrained(default_model_dir))
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rag_server.rag_api import MAX_DOCUMENT_CHARS, MAX_QUESTION_CHARS
+from rag_server.api.rag_api import MAX_DOCUMENT_CHARS, MAX_QUESTION_CHARS
 from sglang_patches.link_hints import POLICIES
 
 pytestmark = pytest.mark.server

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rag_server.scoring import Score, exact_match, first_line, mean_scores, normalize_answer, score_answer, token_f1
+from rag_server.bench.scoring import Score, exact_match, first_line, mean_scores, normalize_answer, score_answer, token_f1
 
 
 def test_normalisation_drops_case_punctuation_articles_and_extra_spaces():

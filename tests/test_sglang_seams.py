@@ -65,7 +65,7 @@ def test_the_flashinfer_backend_members_picrag_relies_on():
 
 
 def test_cuda_runtime_uses_picrag_flashinfer_without_prefill_graphs(tmp_path):
-    from rag_server.runtime import RuntimeConfig
+    from rag_server.launch.runtime import RuntimeConfig
 
     config = RuntimeConfig(model_path=tmp_path, device="cuda").resolved()
     assert config.attention_backend == "picrag_flashinfer"

@@ -4,7 +4,7 @@ This is the path the `/generate` handler takes for a `picrag.link` request (the 
 then the runtime's `/generate`), called in-process by the RAG routes instead of over HTTP.
 The runtime is always asked to stream, so the frontend sees the first token when it is
 produced and can report time to first token for streaming and non-streaming clients alike.
-Chunks evicted between compile and link are compiled and linked again (rag_server.relink).
+Chunks evicted between compile and link are compiled and linked again (rag_server.linking.relink).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any
 
 import httpx
 
-from rag_server import sse
-from rag_server.chunk_compiler import ChunkCompiler, CompileError
-from rag_server.relink import MAX_RELINKS, chunk_misses
+from rag_server.linking import sse
+from rag_server.linking.chunk_compiler import ChunkCompiler, CompileError
+from rag_server.linking.relink import MAX_RELINKS, chunk_misses
 from sglang_patches.link_hints import CHUNK_POLICIES, LinkRequest, runtime_request
 
 logger = logging.getLogger(__name__)

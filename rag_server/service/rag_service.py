@@ -1,7 +1,7 @@
 """A RAG request, end to end: passages (given or retrieved), the prompt, the linked generation.
 
 Every entry point (`/rag/query`, the OpenAI chat extension, batch QA through `/rag/query`)
-goes through `RagService`, so they all build the same prompt (rag_server/prompt_layout.py)
+goes through `RagService`, so they all build the same prompt (retrieval/prompt_layout.py)
 and take the same compile-then-link path to the runtime.
 """
 
@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rag_server.context_window import ContextLimits, PromptTooLong, ScoredPassage, fit_passages
-from rag_server.linked_generation import LinkedGenerator
-from rag_server.prompt_layout import DEFAULT_SYSTEM_PROMPT, CompiledPrompt, PromptLayout, Tokenizer
+from rag_server.service.context_window import ContextLimits, PromptTooLong, ScoredPassage, fit_passages
+from rag_server.linking.linked_generation import LinkedGenerator
+from retrieval.prompt_layout import DEFAULT_SYSTEM_PROMPT, CompiledPrompt, PromptLayout, Tokenizer
 from sglang_patches.link_hints import LinkHintError, split_policy
 
 if TYPE_CHECKING:

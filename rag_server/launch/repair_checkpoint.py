@@ -21,9 +21,9 @@ SHIPPED_DIR = Path(__file__).resolve().parents[1] / "cache_repair" / "checkpoint
 
 def choose_repair_checkpoint(model_path: Path, requested: Optional[Path]) -> tuple[Optional[Path], Optional[str]]:
     """(checkpoint to load, None) or (None, why cacherepair is unavailable). Raises
-    cache_repair.checkpoint.RepairCheckpointError for a bad or foreign `requested` one."""
-    from cache_repair.checkpoint import RepairCheckpointError, RepairCheckpointMismatch, read_checkpoint_config
-    from sglang_patches.disk_chunk_store import model_fingerprint
+    sglang_patches.repair.checkpoint.RepairCheckpointError for a bad or foreign `requested` one."""
+    from sglang_patches.repair.checkpoint import RepairCheckpointError, RepairCheckpointMismatch, read_checkpoint_config
+    from sglang_patches.model_fingerprint import model_fingerprint
 
     fingerprint = model_fingerprint(model_path, torch.float32)
     if requested is not None:

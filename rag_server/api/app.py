@@ -2,9 +2,9 @@
 
 SGLang's native routes (`/generate`, `/get_model_info`, `/flush_cache`, ...) pass through
 unchanged, streaming included, so unmodified SGLang clients and DSL scripts work against
-picrag's port. picrag's own routes: `/rag/query` and `/rag/retrieve` (rag_server/rag_api.py),
-RAG through `/v1/chat/completions` with a `picrag` field (rag_server/openai_chat.py), chunk
-markers in `/generate` texts (rag_server/chunk_markers.py) and `/concate_and_append_request`.
+picrag's port. picrag's own routes: `/rag/query` and `/rag/retrieve` (rag_server/api/rag_api.py),
+RAG through `/v1/chat/completions` with a `picrag` field (rag_server/api/openai_chat.py), chunk
+markers in `/generate` texts (rag_server/api/chunk_markers.py) and `/concate_and_append_request`.
 """
 
 from __future__ import annotations
@@ -24,17 +24,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from rag_server.admission import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_QUEUE, Admission
-from rag_server.auth import ApiKeyGuard
-from rag_server.chunk_compiler import ChunkCompiler, CompileError
-from rag_server.chunk_markers import link_marked_payload
-from rag_server.context_window import ContextLimits
-from rag_server.linked_generation import LinkedGenerator
-from rag_server.openai_chat import rag_chat_completion
-from rag_server.rag_api import MAX_BODY_BYTES
-from rag_server.rag_api import router as rag_router
-from rag_server.rag_service import DEFAULT_POLICY, RagService
-from rag_server.relink import MAX_RELINKS, chunk_misses, first_event, response_misses
+from rag_server.api.admission import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_QUEUE, Admission
+from rag_server.api.auth import ApiKeyGuard
+from rag_server.linking.chunk_compiler import ChunkCompiler, CompileError
+from rag_server.api.chunk_markers import link_marked_payload
+from rag_server.service.context_window import ContextLimits
+from rag_server.linking.linked_generation import LinkedGenerator
+from rag_server.api.openai_chat import rag_chat_completion
+from rag_server.api.rag_api import MAX_BODY_BYTES
+from rag_server.api.rag_api import router as rag_router
+from rag_server.service.rag_service import DEFAULT_POLICY, RagService
+from rag_server.linking.relink import MAX_RELINKS, chunk_misses, first_event, response_misses
 from sglang_patches.link_hints import LinkHintError, parse_link_request, runtime_request, split_policy
 
 logger = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ def create_app(
     gives the tokenizer and context window; `index_dir` the passage index to retrieve from.
     `api_key`: required on every route but /health; `cors_origins`: browser origins allowed
     (none: no CORS headers); `max_inflight` requests run at once, `max_queue` more wait, 503
-    beyond (rag_server/admission.py). `unavailable_policies`: policy family -> why this server
+    beyond (rag_server/api/admission.py). `unavailable_policies`: policy family -> why this server
     refuses it (cacherepair without a checkpoint for the model)."""
     unavailable = dict(unavailable_policies or {})
     try:
@@ -255,7 +255,7 @@ def create_app(
 
     async def linked_generate(request: Request, input_ids: list[int], link, body: bytes) -> Response:
         """Compile (skipping pieces compiled before), link, and relink if the engine reports a
-        chunk missing (rag_server.relink)."""
+        chunk missing (rag_server.linking.relink)."""
         for attempt in range(MAX_RELINKS + 1):
             last = attempt == MAX_RELINKS
             try:

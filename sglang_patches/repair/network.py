@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cache_repair.config import RepairConfig
-from cache_repair.normalization import KVStats
+from sglang_patches.repair.config import RepairConfig
+from sglang_patches.repair.normalization import KVStats
 
 
 def chunk_attention_mask(chunk_ids: torch.Tensor) -> torch.Tensor:

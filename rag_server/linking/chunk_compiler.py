@@ -8,7 +8,7 @@ positions 0..n-1 and stored. Identical compiles in flight at the same time are s
 The compiler remembers what it compiled. With `skip_known`, a prompt whose pieces were all
 compiled before is not sent at all: the round trip (a forward of one token per piece) is most
 of a warm prompt's time to first token. The engine may have evicted a piece since; callers that
-skip check the link's chunk misses and compile again (rag_server.relink). A miss means the pool
+skip check the link's chunk misses and compile again (rag_server.linking.relink). A miss means the pool
 is evicting, where skipping would mostly guess wrong and every wrong guess costs a wasted
 prefill: after one, the compiler forgets what it knew and stops skipping for SKIP_PAUSE_S.
 """
@@ -16,14 +16,13 @@ prefill: after one, the compiler forgets what it knew and stops skipping for SKI
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import httpx
 
+from sglang_patches.chunk_key import chunk_key
 from sglang_patches.link_hints import CHUNK_POLICIES, LinkRequest, compile_hints
 
 
@@ -50,10 +49,6 @@ def segments_to_compile(input_ids: list[int], link: LinkRequest) -> list[list[in
     return head + [link.stored_chunk(input_ids[start:end]) for start, end in link.chunks]
 
 
-def _chunk_key(token_ids: list[int]) -> str:
-    return hashlib.sha256(array("q", token_ids).tobytes()).hexdigest()
-
-
 class ChunkCompiler:
     def __init__(self, client: httpx.AsyncClient):
         self.client = client
@@ -73,7 +68,7 @@ class ChunkCompiler:
 
     def remember_compiled(self, segments: list[list[int]]) -> None:
         """Pieces compiled by someone else's picrag.compile request through this frontend."""
-        self._remember([_chunk_key(s) for s in segments])
+        self._remember([chunk_key(s) for s in segments])
 
     def _remember(self, keys: list[str]) -> None:
         for key in keys:
@@ -87,7 +82,7 @@ class ChunkCompiler:
 
         Segments not already being compiled go to the runtime as one batched request, so a
         prompt's twenty compiles cost one scheduler step, not twenty round trips."""
-        keys = [_chunk_key(s) for s in segments]
+        keys = [chunk_key(s) for s in segments]
         mine: dict[str, list[int]] = {}
         for key, segment in zip(keys, segments):
             if key not in self._inflight and key not in mine:
@@ -129,7 +124,7 @@ class ChunkCompiler:
         if not segments:
             return CompileReport()
         if skip_known and time.monotonic() >= self._skip_paused_until:
-            keys = [_chunk_key(s) for s in segments]
+            keys = [chunk_key(s) for s in segments]
             if all(key in self._known for key in keys):
                 self._remember(keys)
                 return CompileReport(chunks_cached=len(link.chunks))

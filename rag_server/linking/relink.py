@@ -16,7 +16,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any, Optional
 
-from rag_server import sse
+from rag_server.linking import sse
 
 MAX_RELINKS = 3
 

@@ -20,9 +20,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from cache_repair.config import RepairConfig
-from cache_repair.network import KVRepairer, RepairNetwork
-from cache_repair.normalization import KVStats
+from sglang_patches.repair.config import RepairConfig
+from sglang_patches.repair.network import KVRepairer, RepairNetwork
+from sglang_patches.repair.normalization import KVStats
 
 WEIGHTS_FILE = "weights.safetensors"
 CONFIG_FILE = "config.json"

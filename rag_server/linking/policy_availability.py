@@ -4,7 +4,7 @@ LegoLink (k > 0) and CacheBlend compute tokens that sit inside the prompt, so th
 must be masked by true position. picrag's backends do that (`picrag_native` on CPU,
 `picrag_flashinfer` on CUDA); on any other backend those requests would attend to later tokens,
 so the server refuses them with the reason instead of answering wrongly. CacheRepair needs a
-checkpoint for the served model (rag_server/repair_checkpoint.py).
+checkpoint for the served model (rag_server/launch/repair_checkpoint.py).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from rag_server.bench_common import (
+from rag_server.bench.common import (
     BenchError,
     Measured,
     add_server_arguments,
@@ -43,7 +43,7 @@ from rag_server.bench_common import (
     server,
     shuffled,
 )
-from rag_server.prompt_layout import CompiledPrompt
+from retrieval.prompt_layout import CompiledPrompt
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What `picrag bench quality` and `picrag bench load` share: questions, prompts, one timed request.
 
-Both commands build prompts with the one layout every policy uses (rag_server/prompt_layout.py)
+Both commands build prompts with the one layout every policy uses (retrieval/prompt_layout.py)
 and send them as `input_ids` + `picrag.link` hints to the frontend's `/generate`, which compiles
 the chunks (hits once warm) and then links: the same path `/rag/query` takes. Every request
 streams, so the client sees the first token when it is produced: TTFT is client wall time from
@@ -26,8 +26,8 @@ from typing import Any
 
 import httpx
 
-from rag_server import sse
-from rag_server.prompt_layout import CompiledPrompt, PromptLayout, PromptPassage
+from rag_server.linking import sse
+from retrieval.prompt_layout import CompiledPrompt, PromptLayout, PromptPassage
 from sglang_patches.link_hints import (
     LinkHintError,
     LinkRequest,
@@ -109,7 +109,7 @@ def read_rows(path: Path, limit: int | None, max_passages: int | None) -> list[Q
 
 def model_path_of(url: str, model: str | None) -> Path:
     """The model folder whose tokenizer builds the prompts: --model, else the server's own."""
-    from rag_server.model_store import resolve_model
+    from sglang_patches.model_store import resolve_model
 
     if model is not None:
         return resolve_model(model)
@@ -214,7 +214,7 @@ def warm_chunks(client: httpx.Client, layout: PromptLayout, prompt: CompiledProm
 
     Only the pieces are compiled, never the measured prompt, so no measured request is an exact
     repeat that SGLang's prefix matching would answer on its own."""
-    from rag_server.chunk_compiler import segments_to_compile
+    from rag_server.linking.chunk_compiler import segments_to_compile
 
     link = LinkRequest.of(policy, prompt.chunks, sink_token=layout.tokenizer.bos_token_id)
     segments = segments_to_compile(prompt.input_ids, link)
@@ -265,7 +265,7 @@ def server(url: str | None, model: str | None, port: int, log: Path) -> Iterator
     if url is not None:
         yield url.rstrip("/")
         return
-    from rag_server.serve_process import start_picrag_serve
+    from rag_server.launch.serve_process import start_picrag_serve
 
     args = ["--model", model] if model else []
     logger.info("starting picrag serve on port %d (log %s)", port, log)

@@ -134,7 +134,7 @@ class RuntimeConfig:
             # Read by sglang_patches in the scheduler process (disk_chunk_store.STORE_DIR_ENV).
             env["PICRAG_CHUNK_STORE_DIR"] = str(self.chunk_store)
         if self.repair_checkpoint is not None:
-            # Read by sglang_patches.kv_repair (REPAIR_CHECKPOINT_ENV) when the chunk cache starts.
+            # Read by sglang_patches.repair.kv_repair (REPAIR_CHECKPOINT_ENV) when the chunk cache starts.
             env["PICRAG_REPAIR_CHECKPOINT"] = str(self.repair_checkpoint)
         return env
 

@@ -5,7 +5,7 @@ Rows follow the shared QA format (`id`, `question`, optional gold `answers`, opt
 preference, from a local index (`--index DIR`, retrieved here and sent inline with their
 scores), from the row itself, or from the server's own index. Every answer is appended to
 `--out` as soon as it arrives, so an interrupted run resumes where it stopped: ids already in
-`--out` are skipped. Scores follow rag_server/scoring.py (SQuAD EM/F1 of the first line).
+`--out` are skipped. Scores follow rag_server/bench/scoring.py (SQuAD EM/F1 of the first line).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import httpx
 from tqdm import tqdm
 
-from rag_server.scoring import Score, mean_scores, score_answer
+from rag_server.bench.scoring import Score, mean_scores, score_answer
 
 if TYPE_CHECKING:
     from retrieval.retriever import Retriever

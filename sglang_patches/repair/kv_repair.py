@@ -34,9 +34,9 @@ def load_engine_repairer(model_path: Path):
     directory = os.environ.get(REPAIR_CHECKPOINT_ENV)
     if not directory:
         return None
-    from cache_repair.checkpoint import load_repairer
-    from cache_repair.config import read_token_embedding
-    from sglang_patches.disk_chunk_store import model_fingerprint
+    from sglang_patches.repair.checkpoint import load_repairer
+    from sglang_patches.repair.config import read_token_embedding
+    from sglang_patches.model_fingerprint import model_fingerprint
 
     # Repairers are trained on fp32 KV; the fingerprint names the weights, not the serving dtype.
     repairer = load_repairer(

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from rag_server.bench_common import (
+from rag_server.bench.common import (
     BenchError,
     Measured,
     PolicyChoice,
@@ -44,7 +44,7 @@ from rag_server.bench_common import (
     server,
     warm_chunks,
 )
-from rag_server.scoring import score_answer
+from rag_server.bench.scoring import score_answer
 
 REFERENCE = "full"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rag_server.prompt_layout import PromptLayout, PromptPassage
+from retrieval.prompt_layout import PromptLayout, PromptPassage
 
 
 class PromptTooLong(ValueError):

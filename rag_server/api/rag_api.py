@@ -20,9 +20,9 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from rag_server.context_window import ScoredPassage
-from rag_server.linked_generation import GenerationError
-from rag_server.rag_service import DEFAULT_TOP_K, RagPlan, RagRequest, RagRequestError, RagResult, RagService
+from rag_server.service.context_window import ScoredPassage
+from rag_server.linking.linked_generation import GenerationError
+from rag_server.service.rag_service import DEFAULT_TOP_K, RagPlan, RagRequest, RagRequestError, RagResult, RagService
 from retrieval.passage import passage_id
 from sglang_patches import link_hints
 

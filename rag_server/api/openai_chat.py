@@ -23,10 +23,10 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from rag_server.linked_generation import GenerationError
-from rag_server.rag_api import (MAX_DOCUMENTS, MAX_NEW_TOKENS, MAX_QUESTION_CHARS, MAX_TOP_K, Document,
+from rag_server.linking.linked_generation import GenerationError
+from rag_server.api.rag_api import (MAX_DOCUMENTS, MAX_NEW_TOKENS, MAX_QUESTION_CHARS, MAX_TOP_K, Document,
                                 RagAnswer, check_policy, sse)
-from rag_server.rag_service import RagPlan, RagRequest, RagRequestError, RagResult, RagService
+from rag_server.service.rag_service import RagPlan, RagRequest, RagRequestError, RagResult, RagService
 
 # Without max_tokens an OpenAI model may use the whole window; a RAG answer needs far less,
 # and the reservation shrinks the room for passages.

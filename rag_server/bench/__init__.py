@@ -1,0 +1,1 @@
+"""`picrag bench` (quality, load) and `picrag ask`, with the QA scoring they report."""

@@ -1,0 +1,1 @@
+"""Starting the SGLang runtime behind the frontend, and `picrag serve` as a child process."""
