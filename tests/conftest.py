@@ -1,4 +1,5 @@
-"""Shared fixtures: the default model folder and one real picrag server per test session."""
+"""Shared fixtures: the QA data, the default model folder, its tokenizer and prompt layout, and one
+real picrag server per test session."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import json
 import shlex
 import signal
 import subprocess
@@ -33,6 +35,30 @@ def default_model_dir() -> Path:
     from sglang_patches.model_store import ensure_model
 
     return ensure_model()
+
+
+@pytest.fixture(scope="module")
+def musique(shared_qa: Path) -> list[dict]:
+    return [json.loads(line) for line in (shared_qa / "musique.dev.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def layout(tokenizer):
+    from retrieval.prompt_layout import PromptLayout
+
+    return PromptLayout(tokenizer)
+
+
+def file_bytes(directory: Path) -> dict[str, bytes]:
+    """Every file in `directory` by name, to check that a failed operation left them untouched."""
+    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
 
 
 def _free_port() -> int:
