@@ -1,28 +1,14 @@
-"""Requests and fixtures shared by the chunk-cache tests: prompts from MuSiQue rows, linked
-/generate calls, picrag's meta_info fields and Prometheus counters."""
+"""Requests shared by the chunk-cache tests: prompts from MuSiQue rows, linked /generate calls,
+picrag's meta_info fields and Prometheus counters."""
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 
-from retrieval.prompt_layout import PromptLayout, PromptPassage
+from retrieval.prompt_layout import PromptPassage
 from sglang_patches.link_hints import link_hints
-
-
-@pytest.fixture(scope="module")
-def layout(default_model_dir) -> PromptLayout:
-    from transformers import AutoTokenizer
-
-    return PromptLayout(AutoTokenizer.from_pretrained(default_model_dir))
-
-
-@pytest.fixture(scope="module")
-def musique(shared_qa) -> list[dict]:
-    rows = [json.loads(line) for line in (shared_qa / "musique.dev.jsonl").read_text().splitlines()]
-    return rows
 
 
 def passages_of(row: dict, picks) -> list[PromptPassage]:

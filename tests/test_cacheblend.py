@@ -9,9 +9,7 @@ import torch
 
 from sglang_patches.cacheblend import select_rows
 from sglang_patches.link_hints import LinkHintError, LinkRequest, parse_link_request, split_policy
-from tests.chunk_requests import assert_same_answer, first_token_top, layout, musique, passages_of, picrag_meta, run
-
-__all__ = ["layout", "musique"]  # fixtures, used by name
+from tests.chunk_requests import assert_same_answer, first_token_top, passages_of, picrag_meta, run
 
 
 def test_policy_names_and_wire_format():

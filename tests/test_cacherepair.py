@@ -8,9 +8,7 @@ import torch
 
 from sglang_patches.repair.kv_repair import RepairSpan, repair_spans
 from sglang_patches.rope_shift import KeyShifter
-from tests.chunk_requests import counters, first_token_top, layout, musique, passages_of, picrag_meta, run
-
-__all__ = ["layout", "musique"]  # fixtures, used by name
+from tests.chunk_requests import counters, first_token_top, passages_of, picrag_meta, run
 
 LAYERS, HEADS, DIM = 2, 2, 8
 

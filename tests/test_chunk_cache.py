@@ -7,11 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from sglang_patches.link_hints import link_hints
-from tests.chunk_requests import counters, generate, layout, logprobs_of, musique, passages_of, picrag_meta
+from tests.chunk_requests import counters, generate, logprobs_of, passages_of, picrag_meta
 
 pytestmark = pytest.mark.server
-
-__all__ = ["layout", "musique"]  # fixtures, used by name
 
 
 def test_naive_chunk_at_position_zero_equals_vanilla_prefix_caching(picrag_server, layout, musique):

@@ -6,12 +6,10 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import start_picrag_server, stop_picrag_server
-from tests.chunk_requests import counters, generate, layout, musique, passages_of, picrag_meta
+from tests.chunk_requests import counters, generate, passages_of, picrag_meta
 from tests.load_burst import MAX_RSS_GROWTH, ask, run_burst
 
 pytestmark = pytest.mark.server
-
-__all__ = ["layout", "musique"]  # fixtures, used by name
 
 POOL_TOKENS = 1536
 REQUESTS = 200

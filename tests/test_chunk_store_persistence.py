@@ -10,10 +10,8 @@ import torch
 from sglang_patches.chunk_key import chunk_key
 from sglang_patches.disk_chunk_store import CorruptChunkFile, DiskChunkStore
 from sglang_patches.model_fingerprint import model_fingerprint
-from tests.chunk_requests import counters, generate, layout, logprobs_of, musique, passages_of, picrag_meta
+from tests.chunk_requests import counters, generate, logprobs_of, passages_of, picrag_meta
 from tests.conftest import start_picrag_server, stop_picrag_server
-
-__all__ = ["layout", "musique"]  # fixtures, used by name
 
 TOKENS = [5, 17, 4, 99, 23]
 

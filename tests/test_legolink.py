@@ -9,9 +9,7 @@ import pytest
 
 from sglang_patches.legolink_layout import legolink_layout
 from sglang_patches.link_hints import LinkHintError, LinkRequest, split_policy
-from tests.chunk_requests import assert_same_answer, first_token_top, layout, musique, passages_of, picrag_meta, run
-
-__all__ = ["layout", "musique"]  # fixtures, used by name
+from tests.chunk_requests import assert_same_answer, first_token_top, passages_of, picrag_meta, run
 
 
 def test_layout_moves_link_tokens_behind_the_rests():
