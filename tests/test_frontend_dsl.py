@@ -7,7 +7,6 @@ import pytest
 
 from rag_server.api.chunk_markers import strip_markers, tokenize_marked
 from rag_server.dsl import chunk
-from retrieval.prompt_layout import PromptLayout
 from rag_server.service.rag_service import DEFAULT_POLICY
 from sglang_patches.link_hints import DEFAULT_LEGOLINK_K, link_hints
 
@@ -17,13 +16,6 @@ PASSAGES = [
     ("Danube", "The Danube flows through Vienna, Budapest and Belgrade into the Black Sea."),
     ("Rhine", "The Rhine rises in the Swiss Alps and flows through Germany to the North Sea."),
 ]
-
-
-@pytest.fixture(scope="module")
-def layout(default_model_dir) -> PromptLayout:
-    from transformers import AutoTokenizer
-
-    return PromptLayout(AutoTokenizer.from_pretrained(default_model_dir))
 
 
 @pytest.fixture(scope="module")

@@ -23,13 +23,6 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def layout(default_model_dir) -> PromptLayout:
-    from transformers import AutoTokenizer
-
-    return PromptLayout(AutoTokenizer.from_pretrained(default_model_dir))
-
-
-@pytest.fixture(scope="module")
 def client(picrag_server):
     with picrag_server.client() as client:
         yield client

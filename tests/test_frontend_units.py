@@ -25,18 +25,6 @@ PASSAGES = [
 QUESTION = "Where is the Eiffel Tower?"
 
 
-@pytest.fixture(scope="module")
-def tokenizer(default_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(default_model_dir)
-
-
-@pytest.fixture(scope="module")
-def layout(tokenizer) -> PromptLayout:
-    return PromptLayout(tokenizer)
-
-
 def sizes(layout: PromptLayout) -> tuple[int, list[int]]:
     fixed = len(layout.head_ids) + len(layout.question_ids(QUESTION))
     return fixed, [len(layout.passage_ids(p.prompt_passage())) for p in PASSAGES]

@@ -169,15 +169,6 @@ def test_requests_over_the_context_window_are_4xx_and_harmless(picrag_server, la
         wait_idle(client, 10)
 
 
-@pytest.fixture(scope="module")
-def layout(default_model_dir):
-    from transformers import AutoTokenizer
-
-    from retrieval.prompt_layout import PromptLayout
-
-    return PromptLayout(AutoTokenizer.from_pretrained(default_model_dir))
-
-
 def test_serve_flags():
     from rag_server.cli import build_parser
 
