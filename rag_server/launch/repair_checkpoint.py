@@ -16,7 +16,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SHIPPED_DIR = Path(__file__).resolve().parents[1] / "cache_repair" / "checkpoints"
+SHIPPED_DIR = Path(__file__).resolve().parents[2] / "cache_repair" / "checkpoints"
 
 
 def choose_repair_checkpoint(model_path: Path, requested: Optional[Path]) -> tuple[Optional[Path], Optional[str]]:
