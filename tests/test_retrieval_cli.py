@@ -11,7 +11,7 @@ import pytest
 
 from retrieval.cli import register
 from retrieval.index import INDEX_FILE, MANIFEST_FILE
-from tests.conftest import SHARED_QA
+from tests.conftest import SHARED_QA, file_bytes
 
 QA_DIR = SHARED_QA
 
@@ -50,10 +50,6 @@ def corpus(tmp_path) -> Path:
         (folder / "qa.jsonl").write_text("".join(next(rows) for _ in range(2)))
     (folder / "notes.md").write_text(NOTES)
     return folder
-
-
-def file_bytes(directory: Path) -> dict[str, bytes]:
-    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
 
 
 def test_build_info_search_and_add(tmp_path, corpus, tokenizer_dir, capsys):

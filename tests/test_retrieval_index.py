@@ -15,7 +15,7 @@ from retrieval.index import INDEX_FILE, MANIFEST_FILE, PASSAGES_FILE, PassageInd
 from retrieval.ingest import Document, read_documents
 from retrieval.passage import Passage
 from retrieval.retriever import Retriever
-from tests.conftest import SHARED_QA
+from tests.conftest import SHARED_QA, file_bytes
 
 QA_DIR = SHARED_QA
 HOTPOTQA = QA_DIR / "hotpotqa.dev.jsonl"
@@ -49,10 +49,6 @@ def retriever_over(corpus: tuple[list[Passage], np.ndarray], embedder: Embedder,
     index = PassageIndex(embedder.info, kind)
     index.add(*corpus)
     return Retriever(index, embedder)
-
-
-def file_bytes(directory: Path) -> dict[str, bytes]:
-    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
 
 
 @pytest.fixture
