@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 # Before anything imports torch: OpenMP spin-waiting makes torch several times slower on
-# small shared CPUs (DESIGN.md §3).
+# small shared CPUs.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 logger = logging.getLogger("picrag")

@@ -1,8 +1,8 @@
 """CacheBlend-r inside SGLang's forward: selective recompute of the chunk tokens that drift most.
 
 A ``cacheblend`` request reaches the forward with its head as cached prefix and every other
-token (chunks and question) as extend tokens, in the original order. Then, per CacheBlend
-(DESIGN.md §2):
+token (chunks and question) as extend tokens, in the original order. Then, as in the CacheBlend
+paper:
 
 1. When the forward batch is built, each chunk token's extend slot receives the chunk's cached
    KV (looked up in the chunk store by content, keys rotated to the token's position) for the

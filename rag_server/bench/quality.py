@@ -268,7 +268,7 @@ def register(commands) -> None:
         "results.json, results.md and pareto.png to --out.",
     )
     quality.add_argument("--dataset", type=Path, required=True, metavar="FILE.jsonl",
-                         help="shared QA format with inline passages (../shared/data/qa/*.dev.jsonl)")
+                         help="rows {id, question, answers, passages: [{title, text}]}")
     quality.add_argument("--policies", default="full,prefix,naive",
                          help="comma-separated; unknown ones, and ones the server refuses, are reported as unavailable")
     quality.add_argument("--limit", type=int, default=10, help="first N questions (default 10)")

@@ -1,4 +1,4 @@
-"""QA scoring as the papers picrag compares with compute it (shared/data/qa/README.md).
+"""QA scoring as the papers picrag compares with compute it.
 
 SQuAD normalisation (lower-case, no punctuation, no articles, single spaces), exact match and
 token F1, each the maximum over the gold aliases, computed on the first line of the answer

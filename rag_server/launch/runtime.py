@@ -39,7 +39,7 @@ def free_port() -> int:
 def runtime_env(base: dict[str, str] | None = None, threads: int | None = None) -> dict[str, str]:
     """Environment for any process that runs torch on these small shared CPUs.
 
-    OpenMP's default spin-waiting made torch 4-16x slower on 2 shared cores (DESIGN.md §3),
+    OpenMP's default spin-waiting made torch 4-16x slower on 2 shared cores,
     so PASSIVE must be in the environment before torch is imported.
     """
     env = dict(os.environ if base is None else base)
@@ -81,7 +81,7 @@ class RuntimeConfig:
             port=self.port or free_port(),
             host=self.host,
             device=device,
-            # bf16 matmuls are 3-6x slower than fp32 on these CPUs (DESIGN.md §3)
+            # bf16 matmuls ran 3-6x slower than fp32 on AVX2 CPUs without AVX-512/AMX
             dtype=self.dtype if self.dtype != "auto" else ("auto" if on_cuda else "float32"),
             attention_backend=(
                 self.attention_backend
