@@ -249,8 +249,11 @@ class ChunkRadixCache(RadixCache):
 
     @torch.no_grad()
     def _load_from_disk(self, token_ids) -> Optional[tuple[TreeNode, torch.Tensor]]:
+        pool = self.kv_pool
         try:
-            loaded = self.disk_store.load(token_ids)
+            # Checked against the pool's layers, KV heads, head dims and dtypes: a file of
+            # another shape is rejected, never copied into the pool.
+            loaded = self.disk_store.load(token_ids, pool)
         except CorruptChunkFile as exc:
             logger.warning("ignoring persisted chunk: %s", exc)
             self.counters.add("disk_rejects")
@@ -258,11 +261,6 @@ class ChunkRadixCache(RadixCache):
         if loaded is None:
             return None
         keys, values = loaded
-        pool = self.kv_pool
-        if keys.shape[0] != pool.layer_num:
-            logger.warning("ignoring persisted chunk with %d layers (model has %d)", keys.shape[0], pool.layer_num)
-            self.counters.add("disk_rejects")
-            return None
         slots = self._allocate(len(token_ids))
         if slots is None:
             return None
@@ -278,20 +276,22 @@ class ChunkRadixCache(RadixCache):
 
     @torch.no_grad()
     def _save_to_disk(self, token_ids) -> None:
+        """Hand a copy of the chunk's KV to the store's background writer. Runs on the
+        scheduler's thread, so it never waits on the disk and never raises: a save it cannot
+        queue is logged and counted as dropped (the chunk stays cached in memory)."""
         found = self._find_chunk(token_ids)
         if found is None:
             return
         _, slots = found
         pool = self.kv_pool
         layers = range(pool.start_layer, pool.start_layer + pool.layer_num)
-        keys = torch.stack([pool.get_key_buffer(layer)[slots] for layer in layers])
-        values = torch.stack([pool.get_value_buffer(layer)[slots] for layer in layers])
         try:
-            self.disk_store.save(token_ids, keys, values)
-        except OSError as exc:
-            logger.warning("could not persist chunk: %s", exc)
-            return
-        self.counters.add("disk_saves")
+            keys = torch.stack([pool.get_key_buffer(layer)[slots] for layer in layers])
+            values = torch.stack([pool.get_value_buffer(layer)[slots] for layer in layers])
+            self.disk_store.save_in_background(token_ids, keys, values, self.counters)
+        except Exception as exc:
+            logger.warning("could not queue chunk save: %s: %s", type(exc).__name__, exc)
+            self.counters.add("disk_saves_dropped")
 
     @staticmethod
     def _segments(req, link: LinkRequest) -> list[_Segment]:

@@ -20,7 +20,10 @@ COUNTER_NAMES = {
     "repaired_tokens": "grafted chunk tokens corrected by the CacheRepair network",
     "disk_saves": "compiled chunks written to the disk chunk store",
     "disk_loads": "chunks reloaded from the disk chunk store",
-    "disk_rejects": "persisted chunk files found corrupt or foreign and ignored",
+    "disk_rejects": "persisted chunk files found corrupt, foreign or of another KV shape and ignored",
+    "disk_write_failures": "chunk saves that failed to write (full disk, I/O error) and were dropped",
+    "disk_saves_dropped": "chunk saves dropped unwritten because the disk writer's queue was full",
+    "disk_evictions": "persisted chunk files evicted, least recently used first, to keep the store under its size bound",
 }
 
 

@@ -25,18 +25,30 @@ SUPPORTED_SGLANG = "0.5.23"
 
 
 def _disk_store(ctx, kv_pool):
+    """The chunk store of this scheduler process, or None without PICRAG_CHUNK_STORE_DIR. Each
+    tensor/pipeline rank gets its own directory, and so does each combination of KV options."""
     import os
     from pathlib import Path
 
-    from sglang_patches.disk_chunk_store import STORE_DIR_ENV, DiskChunkStore
+    from sglang_patches.disk_chunk_store import (
+        KV_SERVER_OPTIONS, MAX_BYTES_ENV, STORE_DIR_ENV, DiskChunkStore, partition_name,
+    )
     from sglang_patches.model_fingerprint import model_fingerprint
 
     root = os.environ.get(STORE_DIR_ENV)
     if not root:
         return None
-    fingerprint = model_fingerprint(Path(ctx.server_args.model_path), kv_pool.dtype)
-    store = DiskChunkStore(Path(root), fingerprint)
-    logger.info("picrag chunk store on disk: %s", store.directory)
+    args = ctx.server_args
+    fingerprint = model_fingerprint(Path(args.model_path), kv_pool.dtype)
+    ranks = {"tp": (ctx.tp_rank, ctx.tp_size), "pp": (ctx.params.pp_rank, ctx.params.pp_size)}
+    partition = partition_name(ranks, {name: getattr(args, name, None) for name in KV_SERVER_OPTIONS})
+    max_bytes = os.environ.get(MAX_BYTES_ENV)
+    store = DiskChunkStore(
+        Path(root), fingerprint, partition,
+        max_bytes=int(max_bytes) if max_bytes else None, processes=ctx.tp_size * ctx.params.pp_size,
+    )
+    logger.info("picrag chunk store on disk: %s (%d of at most %d bytes)",
+                store.directory, store.stored_bytes, store.max_bytes)
     return store
 
 
