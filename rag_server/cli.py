@@ -24,6 +24,22 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+_BYTE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _byte_size(text: str) -> int:
+    """Bytes, as a count with an optional K, M, G or T (binary) suffix: 500M, 20G."""
+    number = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = _BYTE_UNITS.get(number[-1:], 1)
+    try:
+        value = int(float(number[:-1] if unit > 1 else number) * unit)
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 500M, 20G)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, not {text!r}")
+    return value
+
+
 def _policy_name(text: str) -> str:
     from sglang_patches.link_hints import LinkHintError, split_policy
 
@@ -67,6 +83,7 @@ def _serve(args: argparse.Namespace) -> int:
             log_level=args.runtime_log_level,
             extra_args=shlex.split(args.runtime_args),
             chunk_store=args.chunk_store,
+            chunk_store_max_bytes=args.chunk_store_max_bytes,
             repair_checkpoint=repair_checkpoint,
         ),
         log_file=args.runtime_log,
@@ -176,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--chunk-store", type=Path, default=None, metavar="DIR",
                        help="persist compiled chunk KV under DIR and reload it after a restart "
                        "(keyed by a model fingerprint; corrupt or foreign files are ignored)")
+    serve.add_argument("--chunk-store-max-bytes", type=_byte_size, default=None, metavar="SIZE",
+                       help="bound on the --chunk-store files of this model (e.g. 20G; least recently "
+                       "used evicted first; default: 10%% of the free space on DIR's filesystem at start, "
+                       "counting the store's own files as free)")
     serve.add_argument("--repair-checkpoint", type=Path, default=None, metavar="DIR",
                        help="CacheRepair checkpoint for policy cacherepair (default: the one shipped "
                        "for the model in cache_repair/checkpoints, if it matches; a checkpoint "

@@ -70,6 +70,7 @@ class RuntimeConfig:
     threads: int | None = None
     log_level: str = "warning"
     chunk_store: Path | None = None
+    chunk_store_max_bytes: int | None = None
     repair_checkpoint: Path | None = None
     extra_args: list[str] = field(default_factory=list)
 
@@ -94,6 +95,7 @@ class RuntimeConfig:
             threads=self.threads or (None if on_cuda else (os.cpu_count() or 1)),
             log_level=self.log_level,
             chunk_store=self.chunk_store,
+            chunk_store_max_bytes=self.chunk_store_max_bytes,
             repair_checkpoint=self.repair_checkpoint,
             extra_args=list(self.extra_args),
         )
@@ -133,6 +135,9 @@ class RuntimeConfig:
         if self.chunk_store is not None:
             # Read by sglang_patches in the scheduler process (disk_chunk_store.STORE_DIR_ENV).
             env["PICRAG_CHUNK_STORE_DIR"] = str(self.chunk_store)
+            if self.chunk_store_max_bytes is not None:
+                # disk_chunk_store.MAX_BYTES_ENV; unset: the store's own default bound.
+                env["PICRAG_CHUNK_STORE_MAX_BYTES"] = str(self.chunk_store_max_bytes)
         if self.repair_checkpoint is not None:
             # Read by sglang_patches.repair.kv_repair (REPAIR_CHECKPOINT_ENV) when the chunk cache starts.
             env["PICRAG_REPAIR_CHECKPOINT"] = str(self.repair_checkpoint)
