@@ -61,12 +61,6 @@ def file_bytes(directory: Path) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
 
 
-def _free_port() -> int:
-    from rag_server.launch.runtime import free_port
-
-    return free_port()
-
-
 class ServerHandle:
     def __init__(self, url: str, process: subprocess.Popen, log: Path):
         self.url = url
@@ -78,9 +72,10 @@ class ServerHandle:
 
 
 def start_picrag_server(log: Path, extra_args: list[str]) -> ServerHandle:
+    from rag_server.launch.runtime import free_port
     from rag_server.launch.serve_process import ServeStartError, start_picrag_serve
 
-    port = _free_port()
+    port = free_port()
     try:
         process = start_picrag_serve(port, extra_args, log)
     except ServeStartError as exc:
