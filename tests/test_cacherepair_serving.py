@@ -102,24 +102,33 @@ def test_zero_initialised_repair_is_exactly_naive(picrag_server, layout, musique
     assert first_token_top(repaired) == first_token_top(naive)
 
 
-def test_the_shipped_checkpoint_is_for_the_default_model(default_model_dir):
-    from sglang_patches.repair.checkpoint import load_repairer
-    from sglang_patches.repair.config import read_token_embedding
+def shipped_checkpoints() -> list:
+    """One case per folder under cache_repair/checkpoints; the default preset is converted by
+    setup, any other is converted here (once per install: ensure_model keeps the folder)."""
+    from rag_server.launch.repair_checkpoint import SHIPPED_DIR
+    from sglang_patches.model_store import DEFAULT_PRESET
+
+    return [pytest.param(path.name, id=path.name, marks=() if path.name == DEFAULT_PRESET else pytest.mark.slow)
+            for path in sorted(SHIPPED_DIR.iterdir()) if path.is_dir()]
+
+
+@pytest.mark.parametrize("preset", shipped_checkpoints())
+def test_every_shipped_checkpoint_loads_on_its_converted_preset(preset):
+    from safetensors import safe_open
+
     from rag_server.launch.repair_checkpoint import SHIPPED_DIR, choose_repair_checkpoint
     from sglang_patches.model_fingerprint import model_fingerprint
+    from sglang_patches.model_store import PRESETS, ensure_model
+    from sglang_patches.repair.checkpoint import STATS_FILE, WEIGHTS_FILE, load_repairer
+    from sglang_patches.repair.config import read_token_embedding
 
-    shipped = SHIPPED_DIR / default_model_dir.name
-    assert choose_repair_checkpoint(default_model_dir, None) == (shipped, None)
-    repairer = load_repairer(shipped, read_token_embedding(default_model_dir),
-                             model_fingerprint(default_model_dir, torch.float32))
+    assert preset in PRESETS, "a shipped checkpoint is named after the preset it was trained on"
+    model = ensure_model(preset)
+    shipped = SHIPPED_DIR / preset
+    assert choose_repair_checkpoint(model, None) == (shipped, None)
+    fingerprint = model_fingerprint(model, torch.float32)
+    repairer = load_repairer(shipped, read_token_embedding(model), fingerprint)
     assert repairer.network.head.weight.abs().sum() > 0  # trained, not the zero initialisation
-
-
-def test_the_shipped_qwen_checkpoint_fits_the_converted_preset():
-    from sglang_patches.model_store import models_dir
-    from rag_server.launch.repair_checkpoint import SHIPPED_DIR, choose_repair_checkpoint
-
-    qwen = models_dir() / "qwen2.5-coder-0.5b"
-    if not (qwen / "config.json").is_file():
-        pytest.skip("the qwen2.5-coder-0.5b preset is converted on first use, not by setup")
-    assert choose_repair_checkpoint(qwen, None) == (SHIPPED_DIR / qwen.name, None)
+    for name in (WEIGHTS_FILE, STATS_FILE):
+        with safe_open(shipped / name, "pt") as f:
+            assert f.metadata()["model_fingerprint"] == fingerprint

@@ -9,7 +9,6 @@ import torch
 
 from sglang_patches.chunk_key import chunk_key
 from sglang_patches.disk_chunk_store import CorruptChunkFile, DiskChunkStore
-from sglang_patches.model_fingerprint import model_fingerprint
 from tests.chunk_requests import counters, generate, logprobs_of, passages_of, picrag_meta
 from tests.conftest import start_picrag_server, stop_picrag_server
 
@@ -52,21 +51,6 @@ def test_file_of_another_model_is_refused(tmp_path):
     )
     with pytest.raises(CorruptChunkFile, match="another model"):
         other.load(TOKENS)
-
-
-def test_fingerprint_tracks_dtype_config_and_weights(tmp_path, default_model_dir):
-    base = model_fingerprint(default_model_dir, torch.float32)
-    assert model_fingerprint(default_model_dir, torch.float32) == base
-    assert model_fingerprint(default_model_dir, torch.bfloat16) != base
-    copy = tmp_path / "model"
-    copy.mkdir()
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        (copy / name).write_bytes((default_model_dir / name).read_bytes())
-    (copy / "model.safetensors").symlink_to(default_model_dir / "model.safetensors")
-    assert model_fingerprint(copy, torch.float32) == base
-    config = (copy / "config.json").read_text().replace('"rope_theta": 100000.0', '"rope_theta": 10000.0')
-    (copy / "config.json").write_text(config)
-    assert model_fingerprint(copy, torch.float32) != base
 
 
 @pytest.mark.server
