@@ -41,11 +41,11 @@ def _byte_size(text: str) -> int:
 
 
 def _policy_name(text: str) -> str:
-    from sglang_patches.link_hints import LinkHintError, split_policy
+    from sglang_patches.policies import PolicyError, parse_policy
 
     try:
-        split_policy(text)
-    except LinkHintError as exc:
+        parse_policy(text)
+    except PolicyError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 
@@ -62,7 +62,7 @@ def _serve(args: argparse.Namespace) -> int:
     from rag_server.linking.policy_availability import default_policy, unavailable_policies
     from rag_server.service.rag_service import DEFAULT_POLICY
     from rag_server.launch.repair_checkpoint import choose_repair_checkpoint
-    from sglang_patches.link_hints import split_policy
+    from sglang_patches.policies import parse_policy
 
     model_path = resolve_model(args.model)
     try:
@@ -91,9 +91,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     unavailable = unavailable_policies(runtime.config.attention_backend, repair_unavailable)
     policy = default_policy(args.default_policy, DEFAULT_POLICY, unavailable)
-    if split_policy(policy)[0] in unavailable:
+    family = parse_policy(policy).family.name
+    if family in unavailable:
         print(f"picrag serve: error: --default-policy {policy} is unavailable: "
-              f"{unavailable[split_policy(policy)[0]]}", file=sys.stderr)
+              f"{unavailable[family]}", file=sys.stderr)
         return 2
 
     def terminate(signum, _frame):
@@ -152,7 +153,7 @@ def _model_prepare(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from sglang_patches.model_store import DEFAULT_PRESET, PRESETS
     from rag_server.service.rag_service import DEFAULT_POLICY
-    from sglang_patches.link_hints import POLICIES
+    from sglang_patches.policies import POLICY_FAMILIES
 
     parser = argparse.ArgumentParser(
         prog="picrag",
@@ -207,9 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--index", type=Path, default=None, metavar="DIR",
                        help="passage index (`picrag index build`) that /rag/query retrieves from")
     serve.add_argument("--default-policy", default=None, type=_policy_name,
-                       help=f"link policy of requests that name none: {', '.join(POLICIES)}, "
-                       f"legolink:K or cacheblend:R (default {DEFAULT_POLICY}, or naive where the attention "
-                       "backend cannot mask by position; 'full' = no reuse)")
+                       help="link policy of requests that name none (default "
+                       f"{DEFAULT_POLICY}, or naive where the attention backend cannot mask by position): "
+                       + "; ".join(f"{f.syntax}: {f.summary}" for f in POLICY_FAMILIES.values()))
     serve.add_argument("--api-key", default=None, metavar="KEY",
                        help=f"require `Authorization: Bearer KEY` (or `X-API-Key: KEY`) on every route "
                        f"but /health (default: ${API_KEY_ENV}, which keeps the key out of `ps`; "

@@ -15,11 +15,14 @@ It is SGLang's own `RadixCache`, with two namespaces added through `extra_key`:
   modified; grafted slots belong to the tree and are evicted LRU like any other node; an
   evicted chunk simply is not grafted, and its tokens are computed as ordinary extend tokens.
 
-Vanilla requests (no picrag hint) and ``prefix`` use the plain tree; ``full`` matches nothing
-and stores nothing. ``cacherepair`` grafts like ``naive`` and then corrects the grafted KV with
-the repair network (sglang_patches.repair.kv_repair). ``cacheblend`` grafts only the head: its chunks
-are extend tokens whose cached KV is placed in the forward (sglang_patches.cacheblend), and its
-requests are never inserted.
+What a request gets follows its policy family's flags (sglang_patches.policies). Vanilla
+requests (no picrag hint) and families that reuse no chunks (``prefix``) use the plain tree;
+``full`` matches nothing and stores nothing. Families that repair (``cacherepair``,
+``cacherepair+legolink``) graft and then correct the grafted KV with the repair network
+(sglang_patches.repair.kv_repair). Families with a reordered layout (``legolink``,
+``cacherepair+legolink``) graft the head and the chunks' rests; the first k tokens of every chunk
+are extend tokens. Families that blend (``cacheblend``) graft only the head: their chunks are
+extend tokens whose cached KV is placed in the forward (sglang_patches.cacheblend).
 """
 
 from __future__ import annotations
@@ -40,13 +43,7 @@ from sglang_patches.cacheblend import PLAN_ATTR, blend_plan
 from sglang_patches.disk_chunk_store import CorruptChunkFile, DiskChunkStore
 from sglang_patches.repair.kv_repair import RepairSpan, repair_spans
 from sglang_patches.legolink_layout import legolink_layout
-from sglang_patches.link_hints import (
-    CHUNK_POLICIES,
-    REORDERED_LAYOUT,
-    LinkHintError,
-    LinkRequest,
-    parse_link_request,
-)
+from sglang_patches.link_hints import REORDERED_LAYOUT, LinkHintError, LinkRequest, parse_link_request
 from sglang_patches.rope_shift import KeyShifter
 
 logger = logging.getLogger(__name__)
@@ -60,13 +57,17 @@ POSITIONS_ATTR = "picrag_positions"
 
 
 def namespace_of(link: LinkRequest) -> str:
-    if link.policy == "legolink0":
-        return f"picrag:legolink0:{link.sink_token}"
-    if link.policy != "legolink":
-        return f"picrag:{link.policy}"
-    # A reordered prompt's KV depends on k and on where the chunks were, not only on its tokens.
-    spans = ",".join(f"{s}-{e}" for s, e in link.chunks)
-    return f"picrag:legolink:{link.k}:{hashlib.sha256(spans.encode()).hexdigest()[:16]}"
+    """The tree namespace of a linked request: its KV is this family's, so no other family's
+    request may match it."""
+    family = link.family
+    parts = [f"picrag:{family.name}"]
+    if family.sink_tokens:
+        parts.append(str(link.sink_token))
+    if family.reordered_layout:
+        # A reordered prompt's KV depends on k and on where the chunks were, not only on its tokens.
+        spans = ",".join(f"{s}-{e}" for s, e in link.chunks)
+        parts += [str(link.k), hashlib.sha256(spans.encode()).hexdigest()[:16]]
+    return ":".join(parts)
 
 
 def _with_namespace(namespace: str, extra_key: Optional[str]) -> str:
@@ -98,7 +99,7 @@ class LinkStats:
 class _Graft:
     source_slots: torch.Tensor
     shift: int
-    repair: Optional[RepairSpan] = None  # cacherepair: the chunk this graft is part of
+    repair: Optional[RepairSpan] = None  # repairing families: the chunk this graft is part of
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,12 @@ class _Segment:
     chunk_offset: int  # where in that chunk the span begins
     shift: int  # true position of the chunk's first token
     is_chunk: bool  # False for the head (a true prefix, never counted)
+
+    @property
+    def recomputed_whole(self) -> bool:
+        """A chunk whose every token a reordered layout recomputes (k covers it): nothing to
+        graft, no hit or miss, but context for the repair network."""
+        return self.is_chunk and self.start == self.end
 
 
 @dataclass
@@ -140,7 +147,7 @@ class ChunkRadixCache(RadixCache):
         self.shifter = shifter
         self.counters = counters or CacheCounters()
         self.disk_store = disk_store
-        self.repairer = repairer  # cache_repair.KVRepairer for policy cacherepair, or None
+        self.repairer = repairer  # repair.network.KVRepairer for the repairing families, or None
 
     # ---- request routing -------------------------------------------------------------
 
@@ -153,26 +160,29 @@ class ChunkRadixCache(RadixCache):
             link = parse_link_request(req.kv_hints)
             if link is not None:
                 link.validate(len(req.origin_input_ids))
-                if link.policy == "legolink" and link.chunks and link.layout != REORDERED_LAYOUT:
-                    raise LinkHintError("legolink prompts must arrive reordered (link_hints.runtime_request)")
+                if link.family.reordered_layout and link.chunks and link.layout != REORDERED_LAYOUT:
+                    raise LinkHintError(f"{link.policy} prompts must arrive reordered (link_hints.runtime_request)")
         except LinkHintError as exc:
             # The frontend validates first; a raw /generate with a bad hint degrades to vanilla
             # rather than taking the scheduler down.
             logger.warning("request %s: ignoring invalid picrag hint: %s", req.rid, exc)
             link = None
-        if link is not None and link.policy == "cacherepair" and self.repairer is None:
-            # The frontend refuses cacherepair without a checkpoint; a raw /generate gets naive.
-            logger.warning("request %s: cacherepair without a repair checkpoint, serving it as naive", req.rid)
-            link = dataclasses.replace(link, policy="naive")
+        if link is not None and link.family.repairs and self.repairer is None:
+            # The frontend refuses repairing families without a checkpoint; a raw /generate gets
+            # the family's unrepaired counterpart.
+            logger.warning("request %s: %s without a repair checkpoint, serving it as %s",
+                           req.rid, link.policy, link.family.unrepaired)
+            link = dataclasses.replace(link, policy=link.family.unrepaired)
         setattr(req, _LINK_ATTR, link)
         if link is not None:
-            if link.policy in ("full", "cacheblend"):
-                # A blended token's KV depends on the whole prompt (the deviation ranking), so
-                # it is no prefix to share; cacheblend's namespace only holds grafted heads.
+            if not link.family.inserts_into_tree:
+                # full stores nothing. A blended token's KV depends on the whole prompt (the
+                # deviation ranking), so it is no prefix to share; cacheblend's namespace only
+                # holds grafted heads.
                 req.skip_radix_cache_insert = True
             if link.compile:
                 req.extra_key = _with_namespace(CHUNK_NAMESPACE, req.extra_key)
-            elif link.policy not in ("full", "prefix"):
+            elif link.family.reuses_chunks:
                 req.extra_key = _with_namespace(namespace_of(link), req.extra_key)
             if link.layout == REORDERED_LAYOUT:
                 order = legolink_layout(len(req.origin_input_ids), list(link.chunks), link.k).order
@@ -186,7 +196,7 @@ class ChunkRadixCache(RadixCache):
         if link is None:
             return super().match_prefix(params)
         stats: LinkStats = getattr(req, STATS_ATTR)
-        if link.policy == "full":
+        if not link.family.matches_tree:
             result = self._empty_match_result
         else:
             key = params.key
@@ -196,18 +206,18 @@ class ChunkRadixCache(RadixCache):
                 found = self.lookup_chunk(req.origin_input_ids)
                 if found is not None:
                     self.unlock(found[2])
-            if link.policy in CHUNK_POLICIES and link.chunks and not self.disable:
-                repair = link.policy == "cacherepair" and self.repairer is not None
+            if link.family.reuses_chunks and link.chunks and not self.disable:
+                repair = link.family.repairs and self.repairer is not None
                 segments = self._segments(req, link)
                 # Chunks a policy recomputes whole (legolink with k >= their length) are no misses.
-                n_chunks = sum(seg.is_chunk for seg in segments)
+                n_chunks = sum(seg.is_chunk and not seg.recomputed_whole for seg in segments)
                 self._graft_chunks(key, segments, stats, n_chunks, repair)
                 if stats.chunk_misses:
                     # Its missing chunks are computed as ordinary tokens, in context: that KV is
                     # not this policy's and must not serve a later request as if it were.
                     req.skip_radix_cache_insert = True
             result = super().match_prefix(MatchPrefixParams(key=key, cow_mamba=params.cow_mamba, req=req))
-            if link.policy == "cacheblend" and not self.disable:
+            if link.family.blends_chunks and not self.disable:
                 setattr(req, PLAN_ATTR, blend_plan(self, req, link, result.device_prefix_len, stats))
         prompt_len = len(req.origin_input_ids)
         stats.reused_tokens = result.device_prefix_len
@@ -300,19 +310,19 @@ class ChunkRadixCache(RadixCache):
         if link.layout == REORDERED_LAYOUT:
             layout = legolink_layout(len(prompt), list(link.chunks), link.k)
             original = layout.restore(prompt)
+            # An empty rest (k covers the whole chunk) stays as a segment: see recomputed_whole.
             chunk_spans = [
                 (rest_start, rest_end, original[s:e], min(link.k, e - s), s)
                 for (s, e), (rest_start, rest_end) in zip(link.chunks, layout.rests)
-                if rest_end > rest_start  # k covers the whole chunk: all of it is recomputed
             ]
-        elif link.policy == "cacheblend":
+        elif link.family.blends_chunks:
             # Only the head is grafted: the chunks are extend tokens, their cached KV is placed
             # in the forward (sglang_patches.cacheblend).
             original, chunk_spans = prompt, []
         else:
             original = prompt
             # legolink0 chunks are stored behind sink tokens: skip them, shift by their count.
-            sinks = len(link.stored_chunk([]))
+            sinks = link.family.sink_tokens
             chunk_spans = [(s, e, link.stored_chunk(prompt[s:e]), sinks, s - sinks) for s, e in link.chunks]
         # The head (system prompt) is a true prefix: compiled at position 0 it is exact KV, so
         # it is grafted from the chunk store unshifted, but it is not a chunk (never counted,
@@ -327,18 +337,20 @@ class ChunkRadixCache(RadixCache):
         matched = sum(len(v) for v in values)
         limit = len(key)
         grafts: list[_Graft] = []
-        context: list[RepairSpan] = []  # cacherepair: chunks on the path, seen by the network
+        # Repairing families: every chunk the network sees, in prompt order. Chunks already on
+        # the path and chunks recomputed whole are context only (nothing of theirs is written).
+        network_spans: list[RepairSpan] = []
         locks = [self.lock(prefix_node)]
         position = matched
-        hits_on_path = sum(1 for seg in segments if seg.is_chunk and seg.end <= matched)
+        hits_on_path = sum(1 for seg in segments if seg.is_chunk and not seg.recomputed_whole and seg.end <= matched)
         stats.chunk_hits = hits_on_path
         try:
             for seg in segments:
-                if seg.end <= matched:
-                    # Already on this prompt's path in the tree.
+                if seg.end <= matched or seg.recomputed_whole:
+                    # Already on this prompt's path in the tree, or nothing of it to graft.
                     if repair and seg.is_chunk and (found := self.lookup_chunk(seg.chunk_tokens)) is not None:
                         locks.append(found[2])
-                        context.append(RepairSpan(found[1], seg.chunk_tokens, seg.shift))
+                        network_spans.append(RepairSpan(found[1], seg.chunk_tokens, seg.shift))
                     continue
                 if seg.start > position or position >= limit:
                     break  # ordinary tokens before this segment still need computing
@@ -350,12 +362,14 @@ class ChunkRadixCache(RadixCache):
                 take_end = min(seg.end, limit)
                 first = seg.chunk_offset + position - seg.start
                 span = RepairSpan(slots, seg.chunk_tokens, seg.shift, first, take_end - position) if repair and seg.is_chunk else None
+                if span is not None:
+                    network_spans.append(span)
                 grafts.append(_Graft(slots[first : first + take_end - position], shift=seg.shift, repair=span))
                 stats.chunk_hits += seg.is_chunk
                 position = take_end
             new_slots = self._materialize(grafts) if grafts else None
             if repair and new_slots is not None:
-                self._repair(context, grafts, new_slots)
+                self._repair(network_spans, grafts, new_slots)
         finally:
             for lock in locks:
                 self.unlock(lock)
@@ -372,13 +386,12 @@ class ChunkRadixCache(RadixCache):
         stats.grafted_tokens = len(new_slots)
         self.counters.add("grafted_tokens", len(new_slots))
 
-    def _repair(self, context: list[RepairSpan], grafts: list[_Graft], new_slots: torch.Tensor) -> None:
+    def _repair(self, spans: list[RepairSpan], grafts: list[_Graft], new_slots: torch.Tensor) -> None:
         offset = 0
         for graft in grafts:
             if graft.repair is not None:
                 graft.repair.new_slots = new_slots[offset : offset + len(graft.source_slots)]
             offset += len(graft.source_slots)
-        spans = context + [g.repair for g in grafts if g.repair is not None]
         self.counters.add("repaired_tokens", repair_spans(self.repairer, self.kv_pool, self.shifter, spans))
 
     def _materialize(self, grafts: list[_Graft]) -> Optional[torch.Tensor]:

@@ -32,7 +32,7 @@ class LegoLinkLayout:
 
 
 def legolink_layout(prompt_len: int, chunks: list[tuple[int, int]], k: int) -> LegoLinkLayout:
-    """Chunks must be back to back (LinkRequest.validate checks it for legolink)."""
+    """Chunks must be back to back (LinkRequest.validate checks it for reordered families)."""
     head_len = chunks[0][0] if chunks else prompt_len
     order = list(range(head_len))
     rests = []

@@ -8,8 +8,11 @@ and versioned actions, delivered to the tree cache as `req.kv_hints`). Two actio
     {"action_id": "link", "action_type": "picrag.link", "action_version": "1",
      "payload": {"policy": "naive", "chunks": [[start, end], ...]}}
 
-  ``chunks`` are token spans of ``input_ids``, ascending and disjoint; ``policy`` is one of
-  POLICIES. Tokens outside chunks (system prompt, question) are ordinary tokens.
+  ``chunks`` are token spans of ``input_ids``, ascending and disjoint; ``policy`` names a family
+  of sglang_patches.policies (or a whole policy name, "legolink:4"). Its parameter travels as
+  ``k`` or ``ratio``, a reordered prompt carries ``"layout": "legolink"``, and families that
+  store chunks behind sinks carry ``sink_token``. Tokens outside chunks (system prompt,
+  question) are ordinary tokens.
 
 ``picrag.compile`` (version "1"): the whole prompt is one chunk to compute alone at positions
 0..n-1 and store in the chunk cache (send it with ``max_new_tokens`` 0 or 1).
@@ -22,112 +25,80 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
+
+from sglang_patches.policies import K, POLICY_FAMILIES, RATIO, Policy, PolicyError, PolicyFamily, parse_policy
 
 LINK_ACTION = "picrag.link"
 COMPILE_ACTION = "picrag.compile"
 ACTION_VERSION = "1"
 PROTOCOL_VERSION = "1"
-
-# full: nothing reused, nothing stored (the quality baseline).
-# prefix: SGLang's own exact-prefix radix cache.
-# naive: every chunk's cached KV re-positioned and reused; only the non-chunk tail is computed.
-# legolink: naive, plus the first k tokens of every chunk recomputed against the real context
-#   (EPIC); "legolink:K" names k, "legolink" means k = DEFAULT_LEGOLINK_K.
-# legolink0: chunks compiled behind SINK_TOKENS copies of a sink token (the model's BOS) whose
-#   KV is dropped, so no chunk starts with an attention sink; only the question is computed.
-# cacheblend: layers 0 and 1 on every token, then only the fraction r of chunk tokens whose
-#   layer-1 V deviates most from the cache (plus the question) in later layers (CacheBlend);
-#   "cacheblend:R" names r, "cacheblend" means r = DEFAULT_CACHEBLEND_RATIO.
-# cacherepair: naive, plus a learned residual on every chunk token's K and V (CacheRepair); needs
-#   a checkpoint trained for the served model (picrag serve --repair-checkpoint).
-POLICIES = ("full", "prefix", "naive", "legolink", "legolink0", "cacheblend", "cacherepair")
-CHUNK_POLICIES = ("naive", "legolink", "legolink0", "cacheblend", "cacherepair")
-SINK_TOKENS = 3
-DEFAULT_LEGOLINK_K = 16
-DEFAULT_CACHEBLEND_RATIO = 0.15
+# The value of "layout" for a prompt sent in LegoLink's order (families with reordered_layout).
 REORDERED_LAYOUT = "legolink"
+
+# Policy errors and link-hint errors are one kind: a request the engine cannot serve as asked.
+LinkHintError = PolicyError
 
 
 def split_policy(name: str) -> tuple[str, float]:
-    """'legolink:4' -> ('legolink', 4); 'cacheblend:0.3' -> ('cacheblend', 0.3); other names
-    -> (name, 0); unknown names raise."""
-    base, _, arg = name.partition(":")
-    if base not in POLICIES:
-        raise LinkHintError(
-            f"unknown policy {name!r}; known: {', '.join(POLICIES)} (legolink:K, cacheblend:R)"
-        )
-    if base == "legolink":
-        if not arg:
-            return base, DEFAULT_LEGOLINK_K
-        if not arg.isdigit():
-            raise LinkHintError(f"legolink:K needs a whole number K >= 0, got {arg!r}")
-        return base, int(arg)
-    if base == "cacheblend":
-        return base, DEFAULT_CACHEBLEND_RATIO if not arg else _ratio(arg)
-    if arg:
-        raise LinkHintError(f"policy {base!r} takes no parameter")
-    return base, 0
+    """'legolink:4' -> ('legolink', 4); 'cacheblend:0.3' -> ('cacheblend', 0.3); families
+    without a parameter -> (name, 0). Prefer parse_policy."""
+    policy = parse_policy(name)
+    return policy.family.name, 0 if policy.param is None else policy.param
 
 
-def _ratio(text: str) -> float:
-    try:
-        ratio = float(text)
-    except ValueError:
-        raise LinkHintError(f"cacheblend:R needs a number 0 <= R <= 1, got {text!r}") from None
-    if not 0.0 <= ratio <= 1.0:
-        raise LinkHintError(f"cacheblend:R needs a number 0 <= R <= 1, got {text!r}")
-    return ratio
-
-
-class LinkHintError(ValueError):
-    pass
+# The families that compile chunks and link them.
+CHUNK_POLICIES = tuple(name for name, family in POLICY_FAMILIES.items() if family.reuses_chunks)
 
 
 @dataclass(frozen=True)
 class LinkRequest:
-    policy: str
+    policy: str  # the family's name (a key of POLICY_FAMILIES)
     chunks: tuple[tuple[int, int], ...] = ()
     compile: bool = False
-    k: int = 0  # legolink: tokens recomputed at the head of every chunk
-    layout: str = "original"  # "legolink": input_ids arrive reordered (sglang_patches.legolink_layout)
-    sink_token: Optional[int] = None  # legolink0: the token compiled SINK_TOKENS times before each chunk
-    ratio: float = 0.0  # cacheblend: fraction of chunk tokens recomputed after the check layer
+    k: int = 0  # families with param "k": tokens recomputed at the head of every chunk
+    layout: str = "original"  # REORDERED_LAYOUT: input_ids arrive reordered (sglang_patches.legolink_layout)
+    sink_token: Optional[int] = None  # families with sink_tokens: the token compiled before each chunk
+    ratio: float = 0.0  # families with param "ratio": fraction of chunk tokens recomputed after the check layer
 
     @classmethod
-    def of(cls, policy: str, chunks, sink_token: Optional[int] = None) -> LinkRequest:
-        base, param = split_policy(policy)
+    def of(cls, policy: Union[str, Policy], chunks, sink_token: Optional[int] = None) -> LinkRequest:
+        if isinstance(policy, str):
+            policy = parse_policy(policy)
+        family = policy.family
         return cls(
-            policy=base, chunks=tuple((int(s), int(e)) for s, e in chunks),
-            k=int(param) if base == "legolink" else 0,
-            ratio=float(param) if base == "cacheblend" else 0.0,
-            sink_token=sink_token if base == "legolink0" else None,
+            policy=family.name, chunks=tuple((int(s), int(e)) for s, e in chunks),
+            k=int(policy.param) if family.param == K.name else 0,
+            ratio=float(policy.param) if family.param == RATIO.name else 0.0,
+            sink_token=sink_token if family.sink_tokens else None,
         )
+
+    @property
+    def family(self) -> PolicyFamily:
+        return POLICY_FAMILIES[self.policy]
 
     def stored_chunk(self, chunk_tokens: list[int]) -> list[int]:
         """The tokens a chunk is compiled and stored as under this policy."""
-        if self.policy == "legolink0":
-            return [self.sink_token] * SINK_TOKENS + list(chunk_tokens)
-        return list(chunk_tokens)
+        return [self.sink_token] * self.family.sink_tokens + list(chunk_tokens)
 
     def validate(self, prompt_len: int) -> None:
-        if self.policy not in POLICIES:
-            raise LinkHintError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
+        if self.policy not in POLICY_FAMILIES:
+            raise LinkHintError(f"unknown policy {self.policy!r}; known: {', '.join(POLICY_FAMILIES)}")
+        family = self.family
         previous_end = 0
         for start, end in self.chunks:
             if not (0 <= start < end <= prompt_len):
                 raise LinkHintError(f"chunk span [{start}, {end}) outside the prompt of {prompt_len} tokens")
             if start < previous_end:
                 raise LinkHintError(f"chunk spans overlap or are unordered at [{start}, {end})")
-            if self.policy == "legolink" and previous_end and start != previous_end:
-                raise LinkHintError("legolink needs back-to-back chunk spans (no tokens between chunks)")
+            if family.reordered_layout and previous_end and start != previous_end:
+                raise LinkHintError(f"{self.policy} needs back-to-back chunk spans (no tokens between chunks)")
             previous_end = end
-        if self.k < 0:
-            raise LinkHintError(f"legolink k must be >= 0, got {self.k}")
-        if not 0.0 <= self.ratio <= 1.0:
-            raise LinkHintError(f"cacheblend ratio must be within [0, 1], got {self.ratio}")
-        if self.policy == "legolink0" and self.sink_token is None:
-            raise LinkHintError("legolink0 needs a sink_token (the frontend fills in the model's BOS)")
+        for kind, value in ((K, self.k), (RATIO, self.ratio)):
+            if not kind.holds(value):
+                raise LinkHintError(f"{self.policy} {kind.name} needs {kind.requirement()}, got {value}")
+        if family.sink_tokens and self.sink_token is None:
+            raise LinkHintError(f"{self.policy} needs a sink_token (the frontend fills in the model's BOS)")
 
 
 def _field(obj: Any, name: str) -> Any:
@@ -155,16 +126,17 @@ def parse_link_request(kv_hints: Any) -> Optional[LinkRequest]:
             payload = _field(action, "payload") or {}
             if not isinstance(payload, dict):
                 raise LinkHintError(f"{LINK_ACTION} payload must be an object")
-            policy, param = split_policy(str(payload.get("policy", "naive")))
+            policy = parse_policy(str(payload.get("policy", "naive")))
+            family = policy.family
             try:
                 chunks = tuple((int(s), int(e)) for s, e in payload.get("chunks", ()))
-                k = int(payload.get("k", param if policy == "legolink" else 0))
-                ratio = float(payload.get("ratio", param if policy == "cacheblend" else 0.0))
+                k = int(payload.get(K.name, policy.param if family.param == K.name else 0))
+                ratio = float(payload.get(RATIO.name, policy.param if family.param == RATIO.name else 0.0))
             except (TypeError, ValueError) as exc:
                 raise LinkHintError(f"malformed chunk spans, k or ratio: {exc}") from exc
             sink = payload.get("sink_token")
             return LinkRequest(
-                policy=policy, chunks=chunks, k=k, ratio=ratio,
+                policy=family.name, chunks=chunks, k=k, ratio=ratio,
                 layout=str(payload.get("layout", "original")),
                 sink_token=int(sink) if isinstance(sink, int) else None,
             )
@@ -183,17 +155,15 @@ def _envelope(action_type: str, payload: dict) -> dict:
 
 
 def link_hints(policy: str, chunks: list[tuple[int, int]]) -> dict:
-    """Hints for a prompt in its original order; `policy` may be 'legolink:K'."""
+    """Hints for a prompt in its original order; `policy` is a policy name ('legolink:K')."""
     link = LinkRequest.of(policy, chunks)
     return hints_of(link)
 
 
 def hints_of(link: LinkRequest) -> dict:
     payload = {"policy": link.policy, "chunks": [list(c) for c in link.chunks]}
-    if link.policy == "legolink":
-        payload["k"] = link.k
-    if link.policy == "cacheblend":
-        payload["ratio"] = link.ratio
+    if link.family.param is not None:
+        payload[link.family.param] = getattr(link, link.family.param)
     if link.layout != "original":
         payload["layout"] = link.layout
     if link.sink_token is not None:
@@ -202,9 +172,10 @@ def hints_of(link: LinkRequest) -> dict:
 
 
 def runtime_request(input_ids: list[int], link: LinkRequest) -> tuple[list[int], dict]:
-    """The input_ids and kv_hints the runtime gets for a prompt in its original order: LegoLink
-    prompts are reordered so the tokens it recomputes form the extend (legolink_layout)."""
-    if link.policy != "legolink" or not link.chunks:
+    """The input_ids and kv_hints the runtime gets for a prompt in its original order: prompts of
+    families with a reordered layout are reordered so the tokens recomputed inside the prompt
+    form the extend (legolink_layout)."""
+    if not link.family.reordered_layout or not link.chunks:
         return input_ids, hints_of(link)
     from sglang_patches.legolink_layout import legolink_layout
 

@@ -8,16 +8,17 @@ import pytest
 import torch
 
 from sglang_patches.cacheblend import select_rows
-from sglang_patches.link_hints import LinkHintError, LinkRequest, parse_link_request, split_policy
+from sglang_patches.link_hints import LinkHintError, LinkRequest, parse_link_request
+from sglang_patches.policies import parse_policy
 from tests.chunk_requests import assert_same_answer, first_token_top, passages_of, picrag_meta, run
 
 
 def test_policy_names_and_wire_format():
-    assert split_policy("cacheblend") == ("cacheblend", 0.15)
-    assert split_policy("cacheblend:0.3") == ("cacheblend", 0.3)
+    assert parse_policy("cacheblend").name == "cacheblend:0.15"
+    assert parse_policy("cacheblend:0.3").param == 0.3
     for bad in ("cacheblend:x", "cacheblend:1.5", "cacheblend:-0.1", "cacheblend:nan"):
         with pytest.raises(LinkHintError):
-            split_policy(bad)
+            parse_policy(bad)
     from sglang_patches.link_hints import hints_of
 
     link = LinkRequest.of("cacheblend:0.25", [(2, 5)])

@@ -8,7 +8,8 @@ import pytest
 from rag_server.api.chunk_markers import strip_markers, tokenize_marked
 from rag_server.dsl import chunk
 from rag_server.service.rag_service import DEFAULT_POLICY
-from sglang_patches.link_hints import DEFAULT_LEGOLINK_K, link_hints
+from sglang_patches.link_hints import link_hints
+from sglang_patches.policies import POLICY_FAMILIES
 
 pytestmark = pytest.mark.server
 
@@ -45,8 +46,9 @@ def test_marked_text_is_sent_as_linked_input_ids(picrag_server, layout):
     details = marked["meta_info"]["cached_tokens_details"]
     assert details["picrag_policy"] == DEFAULT_POLICY
     assert details["picrag_chunk_hits"] + details["picrag_chunk_misses"] == 2
-    # legolink recomputes the first DEFAULT_LEGOLINK_K tokens of each chunk and reuses the rest.
-    assert details["picrag_reused_tokens"] >= sum(max(0, end - start - DEFAULT_LEGOLINK_K) for start, end in chunks)
+    # legolink recomputes the first k (its default) tokens of each chunk and reuses the rest.
+    k = POLICY_FAMILIES["legolink"].default_param
+    assert details["picrag_reused_tokens"] >= sum(max(0, end - start - k) for start, end in chunks)
 
 
 def test_concate_and_append_route(picrag_server):

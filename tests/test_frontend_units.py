@@ -193,14 +193,15 @@ def test_position_masked_policies_need_a_picrag_attention_backend():
     assert unavailable_policies("picrag_native", None) == {}
     assert unavailable_policies("picrag_flashinfer", None) == {}
     on_gpu = unavailable_policies("flashinfer", "no checkpoint")
-    assert set(on_gpu) == {"legolink", "cacheblend", "cacherepair"} and "'flashinfer'" in on_gpu["legolink"]
+    assert set(on_gpu) == {"legolink", "cacheblend", "cacherepair", "cacherepair+legolink"}
+    assert "'flashinfer'" in on_gpu["legolink"] and "no checkpoint" in on_gpu["cacherepair+legolink"]
     assert default_policy(None, "legolink", on_gpu) == "naive"
     assert default_policy(None, "legolink", {}) == "legolink"
     assert default_policy("full", "legolink", on_gpu) == "full"
 
 
 def test_relink_reads_chunk_misses_from_the_first_event_and_from_whole_answers():
-    from rag_server.linking.relink import chunk_misses, first_event, response_misses
+    from rag_server.linking.pipeline import chunk_misses, first_event, response_misses
 
     async def stream(parts):
         for part in parts:

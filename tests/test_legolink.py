@@ -8,7 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from sglang_patches.legolink_layout import legolink_layout
-from sglang_patches.link_hints import LinkHintError, LinkRequest, split_policy
+from sglang_patches.link_hints import LinkHintError, LinkRequest
+from sglang_patches.policies import parse_policy
 from tests.chunk_requests import assert_same_answer, first_token_top, passages_of, picrag_meta, run
 
 
@@ -23,12 +24,12 @@ def test_layout_moves_link_tokens_behind_the_rests():
 
 
 def test_policy_names():
-    assert split_policy("legolink") == ("legolink", 16)
-    assert split_policy("legolink:2") == ("legolink", 2)
-    assert split_policy("naive") == ("naive", 0)
+    assert parse_policy("legolink").name == "legolink:16"
+    assert parse_policy("legolink:2").name == "legolink:2" and parse_policy("legolink:2").param == 2
+    assert parse_policy("naive").name == "naive" and parse_policy("naive").param is None
     for bad in ("legolink:x", "naive:3", "blend"):
         with pytest.raises(LinkHintError):
-            split_policy(bad)
+            parse_policy(bad)
     with pytest.raises(LinkHintError, match="back-to-back"):
         LinkRequest.of("legolink", [(0, 4), (5, 9)]).validate(12)
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rag_server.api.rag_api import MAX_DOCUMENT_CHARS, MAX_QUESTION_CHARS
-from sglang_patches.link_hints import POLICIES
+from sglang_patches.policies import POLICY_FAMILIES
 
 pytestmark = pytest.mark.server
 
@@ -50,7 +50,7 @@ RAG_QUERY_FIELDS = {
     # Valid sizes stay tiny (a real generation runs); invalid ones test the limits.
     "max_tokens": maybe(st.one_of(st.integers(1, 3), NUMBER)),
     "temperature": maybe(NUMBER),
-    "policy": maybe(st.one_of(st.sampled_from(POLICIES), TEXT)),
+    "policy": maybe(st.one_of(st.sampled_from(list(POLICY_FAMILIES)), TEXT)),
     "stream": maybe(st.booleans()),
 }
 RAG_QUERY = st.fixed_dictionaries(RAG_QUERY_FIELDS, optional={"unknown": JUNK})

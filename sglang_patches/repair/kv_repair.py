@@ -10,6 +10,11 @@ R(p) res``, so a zero residual leaves exactly naive's KV. Chunks already on the 
 (an earlier request with the same head and chunks repaired them) are context for the network
 but are not written again.
 
+``cacherepair+legolink`` repairs the same way, with the prompt in LegoLink's order: only the
+chunks' rests are grafted and written, while the network still sees every chunk whole (a chunk
+that k covers entirely is context only), so the rests get exactly cacherepair's KV and the first
+k tokens of every chunk are then recomputed in the forward.
+
 The checkpoint comes from ``PICRAG_REPAIR_CHECKPOINT`` (`picrag serve --repair-checkpoint`);
 it is refused at start-up if it was trained for another model.
 """
