@@ -1,10 +1,10 @@
 """Chunk saves off the scheduler's thread: decoding never waits on a disk.
 
-`submit` copies a chunk's KV off the pool (asynchronously, into pinned host memory, when it is on
-a GPU) and queues it for one background thread, which writes it through the store. The bytes
-waiting are bounded: a save that does not fit is dropped (its chunk stays cached in memory and
-is recomputed after a restart), never waited for. A failed write (a full disk, an I/O error) is
-logged and dropped; the thread goes on.
+`submit` takes a copy of a chunk's KV made off the pool (moved asynchronously into pinned host
+memory when it is on a GPU) and queues it for one background thread, which writes it through
+the store. The bytes waiting are bounded: a save that does not fit is dropped (its chunk stays
+cached in memory and is recomputed after a restart), never waited for. A failed write (a full
+disk, an I/O error) is logged and dropped; the thread goes on.
 
 Outcomes are counted in the counters the submitting cache passes: ``disk_saves_dropped`` by the
 submitting thread; ``disk_saves``, ``disk_write_failures`` and ``disk_evictions`` by the writer
@@ -48,11 +48,11 @@ class _Job:
         return self.keys.nbytes + self.values.nbytes
 
 
-def _host_copies(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], Optional[torch.cuda.Event]]:
-    """Copies of `tensors` in host memory that the pool's later writes cannot change. From a GPU
-    the copies are queued on the current stream; the event marks their end."""
+def _on_host(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], Optional[torch.cuda.Event]]:
+    """`tensors` in host memory: as they are on the host; from a GPU, pinned copies queued on the
+    current stream, whose end the event marks."""
     if not any(t.is_cuda for t in tensors):
-        return [t.detach().clone() for t in tensors], None
+        return list(tensors), None
     copies = []
     for tensor in tensors:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
@@ -73,6 +73,8 @@ class ChunkStoreWriter:
         self._thread: Optional[threading.Thread] = None
 
     def submit(self, token_ids: list[int], keys: torch.Tensor, values: torch.Tensor, counters: _Counters) -> bool:
+        """Queue a save; False if it was dropped. keys/values must be the caller's own copies
+        (not views of the pool): the writer reads them later, while the pool changes."""
         nbytes = keys.nbytes + values.nbytes
         with self._pending_lock:
             # One save always fits an empty queue, however large its chunk.
@@ -83,7 +85,7 @@ class ChunkStoreWriter:
                 return False
             self._pending_bytes += nbytes
         try:
-            (keys, values), ready = _host_copies(keys, values)
+            (keys, values), ready = _on_host(keys, values)
         except BaseException:
             with self._pending_lock:
                 self._pending_bytes -= nbytes

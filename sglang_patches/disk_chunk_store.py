@@ -148,7 +148,7 @@ class DiskChunkStore:
         return self.directory / f"{key}{_SUFFIX}"
 
     def _remove_stale_temporaries(self) -> None:
-        for path in self.directory.glob(f"*{_SUFFIX}{_TEMPORARY}*"):
+        for path in self.directory.glob(f"*{_TEMPORARY}*"):  # this and earlier naming
             pid = path.name.rpartition(_TEMPORARY)[2]
             if not pid.isdigit() or not _process_alive(int(pid)):
                 path.unlink(missing_ok=True)
@@ -208,8 +208,9 @@ class DiskChunkStore:
         return self._mark_used(key, len(data))
 
     def save_in_background(self, token_ids, keys: torch.Tensor, values: torch.Tensor, counters) -> bool:
-        """Queue a save of copies of keys/values (which may live on the device) and return at
-        once; False, counted as ``disk_saves_dropped``, when the writer's queue is full."""
+        """Queue a save and return at once; False, counted as ``disk_saves_dropped``, when the
+        writer's queue is full. keys/values (host or device) must be copies the caller no longer
+        writes, not views of the pool."""
         return self._writer.submit(list(token_ids), keys, values, counters)
 
     def wait_for_writes(self) -> None:

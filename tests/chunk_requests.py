@@ -4,6 +4,7 @@ picrag's meta_info fields and Prometheus counters."""
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
@@ -41,6 +42,14 @@ def logprobs_of(out: dict) -> list[float]:
 def counters(client) -> dict[str, float]:
     text = client.get("/metrics").text
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^picrag_(\w+)_total (\S+)$", text, re.M)}
+
+
+def wait_for_counter(client, name: str, at_least: float, timeout_s: float = 60.0) -> dict[str, float]:
+    """The counters once `name` reaches `at_least`: chunk saves finish off the request's path."""
+    deadline = time.monotonic() + timeout_s
+    while (values := counters(client)).get(name, 0) < at_least and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return values
 
 
 def run(client, prompt, policy, top=False, max_new_tokens=8, **body_extra) -> dict:

@@ -9,7 +9,7 @@ import torch
 
 from sglang_patches.chunk_key import chunk_key
 from sglang_patches.disk_chunk_store import CorruptChunkFile, DiskChunkStore
-from tests.chunk_requests import counters, generate, logprobs_of, passages_of, picrag_meta
+from tests.chunk_requests import counters, generate, logprobs_of, passages_of, picrag_meta, wait_for_counter
 from tests.conftest import start_picrag_server, stop_picrag_server
 
 TOKENS = [5, 17, 4, 99, 23]
@@ -63,7 +63,7 @@ def test_restart_reuses_persisted_chunks_and_catches_corruption(tmp_path, defaul
     try:
         with first.client() as client:
             before_restart = generate(client, prompt.input_ids, "naive", prompt.chunks, logprobs=True)
-            saved = counters(client)["disk_saves"]
+            saved = wait_for_counter(client, "disk_saves", segments)["disk_saves"]
     finally:
         stop_picrag_server(first)
     assert saved == segments
