@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from retrieval.chunking import DEFAULT_MAX_TOKENS, TokenCounter, chunk_documents, token_counter
-from retrieval.index import (INDEX_KINDS, HnswSettings, PassageIndex, RetrievalIndexError, index_exists,
+from retrieval.index import (INDEX_KINDS, HnswSettings, PassageIndex, RetrievalIndexError, index_exists, index_lock,
                              read_manifest)
 from retrieval.ingest import read_documents
 from retrieval.model_info import EmbeddingModelInfo
@@ -108,15 +108,17 @@ def _reporting_errors(handler: Handler) -> Handler:
 def build_command(args: argparse.Namespace) -> int:
     from retrieval.retriever import Retriever
 
-    if index_exists(args.index_dir) and not args.overwrite:
-        raise CommandError(f"an index already exists in {args.index_dir}: use `picrag index add` "
-                           "to extend it or --overwrite to replace it")
-    started = time.perf_counter()
-    passages = _read_passages(args)
-    hnsw = HnswSettings(m=args.hnsw_m, ef_search=args.hnsw_ef_search) if args.kind == "hnsw" else None
-    retriever = Retriever.create(_embedder(args.embedding_model), args.kind, hnsw)
-    retriever.add(passages, progress=True)
-    retriever.save(args.index_dir)
+    # Held throughout, so that an index another writer saves meanwhile is not replaced unasked.
+    with index_lock(args.index_dir):
+        if index_exists(args.index_dir) and not args.overwrite:
+            raise CommandError(f"an index already exists in {args.index_dir}: use `picrag index add` "
+                               "to extend it or --overwrite to replace it")
+        started = time.perf_counter()
+        passages = _read_passages(args)
+        hnsw = HnswSettings(m=args.hnsw_m, ef_search=args.hnsw_ef_search) if args.kind == "hnsw" else None
+        retriever = Retriever.create(_embedder(args.embedding_model), args.kind, hnsw)
+        retriever.add(passages, progress=True)
+        retriever.save(args.index_dir)
     print(f"built {args.kind} index of {len(retriever)} passages in {args.index_dir} "
           f"({time.perf_counter() - started:.1f} s)")
     return 0
@@ -127,11 +129,13 @@ def add_command(args: argparse.Namespace) -> int:
     from retrieval.retriever import Retriever
 
     embedder = _embedder(args.embedding_model) if args.embedding_model else None
-    retriever = Retriever.open(args.index_dir, embedder)
-    passages = _read_passages(args)
-    added = retriever.add(passages, progress=True)
-    if added:
-        retriever.save(args.index_dir)
+    # From reading the index to saving it: a concurrent add waits, then extends this one's result.
+    with index_lock(args.index_dir):
+        retriever = Retriever.open(args.index_dir, embedder)
+        passages = _read_passages(args)
+        added = retriever.add(passages, progress=True)
+        if added:
+            retriever.save(args.index_dir)
     print(f"added {added} new passages to {args.index_dir} ({len(passages) - added} already present); "
           f"the index now holds {len(retriever)}")
     return 0

@@ -2,8 +2,11 @@
 
 Directory layout: `index.faiss` (row i is the vector of passage i), `passages.jsonl` (one
 passage a line, in row order) and `manifest.json` (embedding model, kind, count and the
-SHA-256 of both data files). Saving writes every file to a temporary name first and renames
-the manifest last, so a failed save leaves the previous index as it was.
+SHA-256 of both data files). A save replaces the directory's contents as a whole
+(retrieval.directory_swap): a failed or interrupted save leaves the previous index as it was,
+and a reader sees the old index or the new one, never a mix. A read-modify-write (`picrag index
+add`) holds `index_lock` throughout, so concurrent writers wait for each other instead of
+overwriting each other's passages.
 """
 
 from __future__ import annotations
@@ -13,15 +16,15 @@ import datetime
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import faiss
 import numpy as np
 
+from retrieval.directory_swap import DirectorySwapError, directory_lock, replace_directory
 from retrieval.model_info import EmbeddingModelInfo
 from retrieval.passage import Passage
 
@@ -123,30 +126,20 @@ class PassageIndex:
                 for query_scores, query_rows in zip(scores, rows)]
 
     def save(self, directory: str | Path) -> None:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        temporary: dict[str, Path] = {}
+        """Write the index to `directory`, replacing whatever index it held as a whole."""
         try:
-            temporary[INDEX_FILE] = _temporary_path(directory, INDEX_FILE)
-            faiss.write_index(self._faiss, str(temporary[INDEX_FILE]))
-            temporary[PASSAGES_FILE] = _temporary_path(directory, PASSAGES_FILE)
-            with temporary[PASSAGES_FILE].open("w", encoding="utf-8") as stream:
-                for passage in self._passages:
-                    stream.write(json.dumps(passage.to_json(), ensure_ascii=False) + "\n")
-            manifest = self._manifest({name: _sha256(path) for name, path in temporary.items()})
-            temporary[MANIFEST_FILE] = _temporary_path(directory, MANIFEST_FILE)
-            temporary[MANIFEST_FILE].write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-            for path in temporary.values():
-                _fsync(path)
-            # Manifest last: until it is replaced, the old manifest's checksums reject a mix
-            # of old and new data files instead of serving it.
-            for name in (INDEX_FILE, PASSAGES_FILE, MANIFEST_FILE):
-                os.replace(temporary.pop(name), directory / name)
-            _fsync(directory)
-        finally:
-            for path in temporary.values():
-                path.unlink(missing_ok=True)
+            replace_directory(directory, self._write_files, owned=(INDEX_FILE, PASSAGES_FILE, MANIFEST_FILE))
+        except DirectorySwapError as error:
+            raise RetrievalIndexError(f"cannot save the index: {error}") from None
         logger.info("saved %s index of %d passages to %s", self.kind, len(self), directory)
+
+    def _write_files(self, directory: Path) -> None:
+        faiss.write_index(self._faiss, str(directory / INDEX_FILE))
+        with (directory / PASSAGES_FILE).open("w", encoding="utf-8") as stream:
+            for passage in self._passages:
+                stream.write(json.dumps(passage.to_json(), ensure_ascii=False) + "\n")
+        manifest = self._manifest({name: _sha256(directory / name) for name in (INDEX_FILE, PASSAGES_FILE)})
+        (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
 
     def _manifest(self, checksums: dict[str, str]) -> dict[str, Any]:
         return {
@@ -213,10 +206,10 @@ def index_exists(directory: str | Path) -> bool:
     return (Path(directory) / MANIFEST_FILE).is_file()
 
 
-def _temporary_path(directory: Path, name: str) -> Path:
-    handle, path = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
-    os.close(handle)
-    return Path(path)
+def index_lock(directory: str | Path) -> AbstractContextManager[None]:
+    """Exclusive across processes: hold it from reading an index to saving its successor, so
+    that another writer's passages are never overwritten. `save` takes it too (re-entrant)."""
+    return directory_lock(directory)
 
 
 def _sha256(path: Path) -> str:
@@ -225,11 +218,3 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: stream.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    handle = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)
