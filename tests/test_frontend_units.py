@@ -225,15 +225,14 @@ def test_compiler_skips_pieces_it_compiled_and_forgets_them_on_flush():
     class Runtime:
         async def post(self, path, json):
             sent.append(json["input_ids"])
-            return SimpleNamespace(status_code=200, json=lambda: [
-                {"meta_info": {"cached_tokens_details": {"picrag_chunk_misses": 1}}} for _ in json["input_ids"]
-            ])
+            return SimpleNamespace(status_code=200)
 
     compiler = ChunkCompiler(Runtime())
     link = LinkRequest.of("naive", [(2, 4), (4, 7)])
     prompt = [1, 2, 10, 11, 20, 21, 22, 9]
-    assert asyncio.run(compiler.prepare(prompt, link, skip_known=True)).chunks_compiled == 2
-    assert asyncio.run(compiler.prepare(prompt, link, skip_known=True)).chunks_cached == 2
+    asyncio.run(compiler.prepare(prompt, link, skip_known=True))
+    assert sent == [[[1, 2], [10, 11], [20, 21, 22]]]  # the head and both chunks, in one request
+    asyncio.run(compiler.prepare(prompt, link, skip_known=True))  # all compiled before: nothing sent
     assert len(sent) == 1
     asyncio.run(compiler.prepare(prompt, link))  # without skip_known: always asks the engine
     compiler.forget()

@@ -1,4 +1,4 @@
-"""The frontend half of chunk reuse: compile each chunk (and the prompt head) before linking.
+"""The compile half of chunk reuse: compile each chunk (and the prompt head) before linking.
 
 A linked prompt can only reuse what the engine's chunk store holds, so before forwarding it
 the frontend sends every chunk, and the head before the first chunk, as its own prefill-only
@@ -8,9 +8,10 @@ positions 0..n-1 and stored. Identical compiles in flight at the same time are s
 The compiler remembers what it compiled. With `skip_known`, a prompt whose pieces were all
 compiled before is not sent at all: the round trip (a forward of one token per piece) is most
 of a warm prompt's time to first token. The engine may have evicted a piece since; callers that
-skip check the link's chunk misses and compile again (rag_server.linking.relink). A miss means the pool
-is evicting, where skipping would mostly guess wrong and every wrong guess costs a wasted
-prefill: after one, the compiler forgets what it knew and stops skipping for SKIP_PAUSE_S.
+skip check the link's chunk misses and compile again (rag_server/linking/pipeline.py). A miss
+means the pool is evicting, where skipping would mostly guess wrong and every wrong guess costs
+a wasted prefill: after one, the compiler forgets what it knew and stops skipping for
+SKIP_PAUSE_S.
 """
 
 from __future__ import annotations
@@ -18,13 +19,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
 from sglang_patches.chunk_key import chunk_key
-from sglang_patches.link_hints import CHUNK_POLICIES, LinkRequest, compile_hints
-
+from sglang_patches.link_hints import LinkRequest, compile_hints
 
 # Keys of compiled pieces remembered (about 100 bytes each).
 KNOWN_PIECES = 100_000
@@ -35,14 +35,19 @@ class CompileError(RuntimeError):
     pass
 
 
-@dataclass
-class CompileReport:
-    chunks_compiled: int = 0
-    chunks_cached: int = 0
+def compile_request(segments: list[list[int]]) -> dict[str, Any]:
+    """The `/generate` body that stores each segment in the chunk store (prefill only)."""
+    return {
+        "input_ids": segments,
+        "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+        "kv_hints": compile_hints(),
+    }
 
 
 def segments_to_compile(input_ids: list[int], link: LinkRequest) -> list[list[int]]:
-    if link.policy not in CHUNK_POLICIES or not link.chunks:
+    """The pieces a link reuses, as they are stored: the head before the first chunk, then
+    every chunk."""
+    if not link.family.reuses_chunks or not link.chunks:
         return []
     head_end = link.chunks[0][0]
     head = [input_ids[:head_end]] if head_end > 0 else []
@@ -52,7 +57,7 @@ def segments_to_compile(input_ids: list[int], link: LinkRequest) -> list[list[in
 class ChunkCompiler:
     def __init__(self, client: httpx.AsyncClient):
         self.client = client
-        self._inflight: dict[str, asyncio.Future] = {}
+        self._inflight: dict[str, asyncio.Future[None]] = {}
         self._known: OrderedDict[str, None] = OrderedDict()
         self._skip_paused_until = 0.0
 
@@ -77,8 +82,8 @@ class ChunkCompiler:
         while len(self._known) > KNOWN_PIECES:
             self._known.popitem(last=False)
 
-    async def compile_many(self, segments: list[list[int]]) -> list[bool]:
-        """Make sure every segment is stored; True for each that had to be computed.
+    async def compile_many(self, segments: list[list[int]]) -> None:
+        """Make sure every segment is stored.
 
         Segments not already being compiled go to the runtime as one batched request, so a
         prompt's twenty compiles cost one scheduler step, not twenty round trips."""
@@ -89,50 +94,28 @@ class ChunkCompiler:
                 mine[key] = segment
         if mine:
             batch = asyncio.ensure_future(self._send(list(mine.values())))
-            for index, key in enumerate(mine):
-                future = asyncio.ensure_future(self._pick(batch, index))
-                self._inflight[key] = future
-                future.add_done_callback(lambda _, key=key: self._inflight.pop(key, None))
-        pending = [self._inflight.get(key) for key in keys]
-        results = await asyncio.gather(*(asyncio.shield(f) for f in pending))
+            for key in mine:
+                self._inflight[key] = batch
+            batch.add_done_callback(lambda done: [self._inflight.pop(key) for key in mine
+                                                  if self._inflight.get(key) is done])
+        pending = {id(future): future for future in (self._inflight[key] for key in keys)}
+        await asyncio.gather(*(asyncio.shield(future) for future in pending.values()))
         self._remember(keys)
-        return list(results)
 
-    @staticmethod
-    async def _pick(batch: asyncio.Future, index: int) -> bool:
-        return (await batch)[index]
-
-    async def _send(self, segments: list[list[int]]) -> list[bool]:
-        response = await self.client.post(
-            "/generate",
-            json={
-                "input_ids": segments,
-                "sampling_params": {"max_new_tokens": 0, "temperature": 0},
-                "kv_hints": compile_hints(),
-            },
-        )
+    async def _send(self, segments: list[list[int]]) -> None:
+        response = await self.client.post("/generate", json=compile_request(segments))
         if response.status_code != 200:
             raise CompileError(f"chunk compile failed ({response.status_code}): {response.text[:300]}")
-        outputs = response.json()
-        return [
-            bool((out["meta_info"].get("cached_tokens_details") or {}).get("picrag_chunk_misses", 1))
-            for out in outputs
-        ]
 
-    async def prepare(self, input_ids: list[int], link: LinkRequest, skip_known: bool = False) -> CompileReport:
+    async def prepare(self, input_ids: list[int], link: LinkRequest, skip_known: bool = False) -> None:
+        """Make sure the pieces `link` reuses are in the chunk store (`skip_known`: pieces this
+        compiler compiled before are taken as stored)."""
         segments = segments_to_compile(input_ids, link)
         if not segments:
-            return CompileReport()
+            return
         if skip_known and time.monotonic() >= self._skip_paused_until:
             keys = [chunk_key(s) for s in segments]
             if all(key in self._known for key in keys):
                 self._remember(keys)
-                return CompileReport(chunks_cached=len(link.chunks))
-        computed = await self.compile_many(segments)
-        report = CompileReport()
-        for was_computed in computed[len(segments) - len(link.chunks):]:
-            if was_computed:
-                report.chunks_compiled += 1
-            else:
-                report.chunks_cached += 1
-        return report
+                return
+        await self.compile_many(segments)
