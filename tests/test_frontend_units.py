@@ -14,8 +14,9 @@ from rag_server.api.chunk_markers import (CHUNK_BEGIN, CHUNK_END, Segment, link_
 from rag_server.cli import build_parser
 from rag_server.service.context_window import ContextLimits, PromptTooLong, ScoredPassage, fit_passages
 from retrieval.prompt_layout import PromptLayout, PromptPassage, passage_text
-from rag_server.service.rag_service import RagRequest, RagRequestError, RagService, keep_best
+from rag_server.service.rag_service import NamedPolicy, RagRequest, RagRequestError, RagService, keep_best
 from sglang_patches.link_hints import parse_link_request
+from sglang_patches.policies import parse_policy
 
 PASSAGES = [
     ScoredPassage("a", "Eiffel Tower", "The Eiffel Tower is a wrought-iron lattice tower in Paris, France.", 0.9),
@@ -54,13 +55,13 @@ def test_marked_chunks_tokenize_alone_and_span_their_tokens(layout):
 
 def test_marked_generate_payloads(layout):
     single = {"text": "x" + mark_chunk("some passage"), "sampling_params": {"max_new_tokens": 1}}
-    rewritten = link_marked_payload(single, layout.encode, [], "naive")
+    rewritten = link_marked_payload(single, layout.encode, [], parse_policy("naive"))
     assert "text" not in rewritten and rewritten["sampling_params"] == {"max_new_tokens": 1}
     link = parse_link_request(rewritten["kv_hints"])
     assert link.policy == "naive" and link.chunks == ((1, 1 + len(layout.encode("some passage"))),)
     batch = {"text": [mark_chunk("p") + "q A", "plain"]}
-    assert link_marked_payload(batch, layout.encode, [], "naive") == {"text": ["pq A", "plain"]}
-    assert link_marked_payload({"text": "no markers"}, layout.encode, [], "naive") is None
+    assert link_marked_payload(batch, layout.encode, [], parse_policy("naive")) == {"text": ["pq A", "plain"]}
+    assert link_marked_payload({"text": "no markers"}, layout.encode, [], parse_policy("naive")) is None
 
 
 # --- context window --------------------------------------------------------------------------
@@ -112,8 +113,8 @@ def test_plan_reports_dropped_passages_and_builds_the_prompt_from_the_rest(token
     fixed, each = sizes(layout)
     max_tokens = 16
     limits = ContextLimits(context_length=fixed + each[0] + each[2] + max_tokens, max_input_tokens=10_000)
-    service = RagService(tokenizer, generator=None, limits=limits)
-    plan = asyncio.run(service.plan(RagRequest(QUESTION, "naive", max_tokens, documents=PASSAGES)))
+    service = RagService(tokenizer, pipeline=None, limits=limits)
+    plan = asyncio.run(service.plan(RagRequest(QUESTION, NamedPolicy.parse("naive"), max_tokens, documents=PASSAGES)))
     assert [p.id for p in plan.passages] == ["a", "c"] and [p.id for p in plan.dropped] == ["b"]
     assert plan.warnings and "dropped 1 of 3 passages" in plan.warnings[0]
     expected = layout.build(QUESTION, [PASSAGES[0].prompt_passage(), PASSAGES[2].prompt_passage()])
@@ -122,11 +123,11 @@ def test_plan_reports_dropped_passages_and_builds_the_prompt_from_the_rest(token
 
 
 def test_plan_with_top_k_and_without_index(tokenizer):
-    service = RagService(tokenizer, generator=None, limits=ContextLimits(8192, 8186))
-    plan = asyncio.run(service.plan(RagRequest(QUESTION, "full", 8, documents=PASSAGES, top_k=1)))
+    service = RagService(tokenizer, pipeline=None, limits=ContextLimits(8192, 8186))
+    plan = asyncio.run(service.plan(RagRequest(QUESTION, NamedPolicy.parse("full"), 8, documents=PASSAGES, top_k=1)))
     assert [p.id for p in plan.passages] == ["a"]
     with pytest.raises(RagRequestError, match="no passage index is loaded"):
-        asyncio.run(service.plan(RagRequest(QUESTION, "naive", 8)))
+        asyncio.run(service.plan(RagRequest(QUESTION, NamedPolicy.parse("naive"), 8)))
 
 
 def test_history_goes_into_the_head_and_leaves_chunks_alone(tokenizer, layout):
@@ -174,11 +175,11 @@ def test_cli_serve_and_ask_options():
 
 
 def test_a_policy_the_server_cannot_run_is_refused_with_the_reason(tokenizer):
-    service = RagService(tokenizer, generator=None, limits=ContextLimits(8192, 8186),
+    service = RagService(tokenizer, pipeline=None, limits=ContextLimits(8192, 8186),
                          unavailable_policies={"cacherepair": "no CacheRepair checkpoint for model x"})
     with pytest.raises(RagRequestError, match="'cacherepair' is unavailable on this server: no CacheRepair checkpoint"):
-        asyncio.run(service.plan(RagRequest(QUESTION, "cacherepair", 8, documents=PASSAGES)))
-    assert asyncio.run(service.plan(RagRequest(QUESTION, "legolink:4", 8, documents=PASSAGES))).passages
+        asyncio.run(service.plan(RagRequest(QUESTION, NamedPolicy.parse("cacherepair"), 8, documents=PASSAGES)))
+    assert asyncio.run(service.plan(RagRequest(QUESTION, NamedPolicy.parse("legolink:4"), 8, documents=PASSAGES))).passages
 
 
 def test_cli_policy_names_take_parameters():
@@ -242,3 +243,85 @@ def test_compiler_skips_pieces_it_compiled_and_forgets_them_on_flush():
     asyncio.run(compiler.prepare(prompt, link, skip_known=True))
     asyncio.run(compiler.prepare(prompt, link, skip_known=True))
     assert len(sent) == 5
+
+
+# --- link pipeline (against a scripted runtime) -----------------------------------------------
+
+def _event(text: str, misses: int) -> bytes:
+    meta = {"cached_tokens_details": {"picrag_chunk_misses": misses}}
+    return f"data: {json.dumps({'text': text, 'meta_info': meta})}\n\n".encode()
+
+
+async def _pieces(content: bytes):
+    # Small pieces, as a network delivers them: events arrive split.
+    for start in range(0, len(content), 7):
+        yield content[start:start + 7]
+
+
+def _scripted_pipeline(link_answers):
+    """A LinkPipeline on a runtime that answers each link with the next of `link_answers`
+    (status, content type, body) and every compile with 200; returns it and the request log."""
+    import httpx
+
+    from rag_server.linking.chunk_compiler import ChunkCompiler
+    from rag_server.linking.pipeline import LinkPipeline
+
+    log: list[str] = []
+    answers = iter(link_answers)
+
+    def runtime(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        action = body["kv_hints"]["actions"][0]["action_type"]
+        log.append(action)
+        if action == "picrag.compile":
+            return httpx.Response(200, json=[{"meta_info": {}} for _ in body["input_ids"]])
+        status, content_type, content = next(answers)
+        return httpx.Response(status, headers={"content-type": content_type}, content=_pieces(content))
+
+    client = httpx.AsyncClient(base_url="http://runtime", transport=httpx.MockTransport(runtime))
+    return LinkPipeline(client, ChunkCompiler(client)), log
+
+
+PROMPT = [1, 2, 10, 11, 20, 21, 22, 9]
+
+
+def test_a_streamed_link_with_chunk_misses_is_dropped_compiled_again_and_relinked():
+    from sglang_patches.link_hints import LinkRequest
+
+    missed = _event("A", 2) + _event("AB", 2) + b"data: [DONE]\n\n"
+    hit = _event("X", 0) + _event("XY", 0) + b"data: [DONE]\n\n"
+    pipeline, log = _scripted_pipeline([(200, "text/event-stream", missed), (200, "text/event-stream", hit)])
+    link = LinkRequest.of("naive", [(2, 4), (4, 7)])
+
+    async def relayed() -> bytes:
+        linked = await pipeline.generate(PROMPT, link, {"stream": True})
+        return b"".join([chunk async for chunk in linked.body()])
+
+    assert asyncio.run(relayed()) == hit  # the client sees the relinked answer, byte for byte
+    assert log == ["picrag.compile", "picrag.link", "picrag.compile", "picrag.link"]
+    # The same prompt again: the compiler skips no longer (a miss means the pool is evicting).
+    pipeline, log = _scripted_pipeline([(200, "text/event-stream", hit)] * 2)
+
+    async def deltas() -> list[str]:
+        await pipeline.generate(PROMPT, link, {"stream": True})  # compiles, then remembers
+        linked = await pipeline.generate(PROMPT, link, {"stream": True})
+        return [delta.text async for delta in linked.deltas()]
+
+    assert asyncio.run(deltas()) == ["X", "Y"]
+    assert log == ["picrag.compile", "picrag.link", "picrag.link"]
+
+
+def test_a_whole_link_answer_is_relinked_at_most_max_relinks_times_then_answered_as_it_is():
+    from rag_server.linking.pipeline import MAX_RELINKS
+    from sglang_patches.link_hints import LinkRequest
+
+    missed = json.dumps({"text": "A", "meta_info": {"cached_tokens_details": {"picrag_chunk_misses": 1}}}).encode()
+    pipeline, log = _scripted_pipeline([(200, "application/json", missed)] * (MAX_RELINKS + 1))
+    linked = asyncio.run(pipeline.generate(PROMPT, LinkRequest.of("naive", [(2, 4)]), {}))
+    assert linked.rest is None and linked.head == missed and linked.misses == 1
+    assert log.count("picrag.link") == MAX_RELINKS + 1 and log.count("picrag.compile") == MAX_RELINKS + 1
+    # A refusal is answered as it is, and never relinked.
+    pipeline, log = _scripted_pipeline([(400, "application/json", b'{"error": "too long"}')])
+    linked = asyncio.run(pipeline.generate(PROMPT, LinkRequest.of("naive", [(2, 4)]), {}))
+    assert (linked.response.status_code, linked.head) == (400, b'{"error": "too long"}')
+    assert log == ["picrag.compile", "picrag.link"]

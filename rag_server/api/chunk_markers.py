@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_patches.link_hints import link_hints
+from sglang_patches.link_hints import LinkRequest, hints_of
+from sglang_patches.policies import Policy
 
 CHUNK_BEGIN = "\ue000"
 CHUNK_END = "\ue001"
@@ -58,6 +59,13 @@ def split_marked(text: str) -> list[Segment]:
     return [s for s in segments if s.text]
 
 
+def leading_special_tokens(tokenizer) -> list[int]:
+    """What the tokenizer puts before any text (a BOS for some models, nothing for others)."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a")["input_ids"]
+    return list(full[: full.index(plain[0])]) if plain and plain[0] in full else []
+
+
 def tokenize_marked(
     text: str, encode: Callable[[str], list[int]], prefix_ids: list[int] = ()
 ) -> tuple[list[int], list[tuple[int, int]]]:
@@ -78,7 +86,7 @@ def tokenize_marked(
 
 
 def link_marked_payload(
-    payload: dict[str, Any], encode: Callable[[str], list[int]], prefix_ids: list[int], policy: str
+    payload: dict[str, Any], encode: Callable[[str], list[int]], prefix_ids: list[int], policy: Policy
 ) -> dict[str, Any] | None:
     """The `/generate` payload to send instead of one whose text carries chunk markers, or
     None when it has none. A single text becomes `input_ids` with a `picrag.link` hint; a
@@ -88,7 +96,7 @@ def link_marked_payload(
     if isinstance(text, str) and has_markers(text):
         input_ids, chunks = tokenize_marked(text, encode, prefix_ids)
         rewritten = {k: v for k, v in payload.items() if k != "text"}
-        return {**rewritten, "input_ids": input_ids, "kv_hints": link_hints(policy, chunks)}
+        return {**rewritten, "input_ids": input_ids, "kv_hints": hints_of(LinkRequest.of(policy, chunks))}
     if isinstance(text, list) and any(isinstance(t, str) and has_markers(t) for t in text):
         return {**payload, "text": [strip_markers(t) if isinstance(t, str) else t for t in text]}
     return None

@@ -15,18 +15,22 @@ reuse counters, timings, policy); streamed, it rides on the chunk carrying `fini
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rag_server.linking.linked_generation import GenerationError
+from rag_server.api.proxy import forward
 from rag_server.api.rag_api import (MAX_DOCUMENTS, MAX_NEW_TOKENS, MAX_QUESTION_CHARS, MAX_TOP_K, Document,
-                                RagAnswer, check_policy, sse)
-from rag_server.service.rag_service import RagPlan, RagRequest, RagRequestError, RagResult, RagService
+                                    PolicyName, RagAnswer, sse)
+from rag_server.api.state import frontend
+from rag_server.linking.pipeline import GenerationError
+from rag_server.service.rag_service import NamedPolicy, RagPlan, RagRequest, RagRequestError, RagResult, RagService
 
 # Without max_tokens an OpenAI model may use the whole window; a RAG answer needs far less,
 # and the reservation shrinks the room for passages.
@@ -39,9 +43,7 @@ class PicragExtension(BaseModel):
 
     documents: list[Document] | None = Field(None, min_length=1, max_length=MAX_DOCUMENTS)
     top_k: int | None = Field(None, gt=0, le=MAX_TOP_K)
-    policy: str | None = None
-
-    _policy = field_validator("policy")(check_policy)
+    policy: PolicyName | None = None
 
 
 class TextPart(BaseModel):
@@ -79,7 +81,7 @@ class RagChatRequest(BaseModel):
     stream_options: StreamOptions | None = None
     picrag: PicragExtension
 
-    def to_request(self, default_policy: str) -> RagRequest:
+    def to_request(self, default_policy: NamedPolicy) -> RagRequest:
         *earlier, last = self.messages
         if last.role != "user":
             raise RagRequestError("the last message must be the user's question")
@@ -131,7 +133,24 @@ def _openai_usage(result: RagResult) -> dict[str, int]:
             "total_tokens": usage.prompt_tokens + usage.completion_tokens}
 
 
-async def rag_chat_completion(service: RagService, payload: dict[str, Any], model_name: str):
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", include_in_schema=False)
+async def chat_completions(request: Request) -> Response:
+    """SGLang's chat endpoint, or RAG when the body carries a `picrag` field."""
+    body = await request.body()
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return await forward(request, body)
+    if not (isinstance(payload, dict) and "picrag" in payload):
+        return await forward(request, body)
+    state = frontend(request)
+    return await rag_chat_completion(state.rag, payload, state.model_name)
+
+
+async def rag_chat_completion(service: RagService, payload: dict[str, Any], model_name: str) -> Response:
     try:
         chat = RagChatRequest.model_validate(payload)
         plan = await service.plan(chat.to_request(service.default_policy))

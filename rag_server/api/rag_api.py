@@ -14,17 +14,19 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, InstanceOf, WithJsonSchema, field_validator
 
+from rag_server.api.state import frontend
+from rag_server.linking.pipeline import GenerationError
 from rag_server.service.context_window import ScoredPassage
-from rag_server.linking.linked_generation import GenerationError
-from rag_server.service.rag_service import DEFAULT_TOP_K, RagPlan, RagRequest, RagRequestError, RagResult, RagService
+from rag_server.service.rag_service import (DEFAULT_TOP_K, NamedPolicy, RagPlan, RagRequest, RagRequestError,
+                                            RagResult, RagService)
 from retrieval.passage import passage_id
-from sglang_patches import link_hints
+from sglang_patches.policies import PolicyError
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +41,19 @@ DEFAULT_MAX_TOKENS = 64
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
-def check_policy(policy: str | None) -> str | None:
-    # Parsed at call time: the engine's set of policies grows ('legolink:K' names k).
-    if policy is not None:
-        try:
-            link_hints.split_policy(policy)
-        except link_hints.LinkHintError as exc:
-            raise ValueError(str(exc)) from exc
-    return policy
+def _parse_policy(name: Any) -> Any:
+    if isinstance(name, NamedPolicy):
+        return name
+    if not isinstance(name, str):
+        raise ValueError("a policy is named by a string ('naive', 'legolink:4')")
+    try:
+        return NamedPolicy.parse(name)
+    except PolicyError as exc:
+        raise ValueError(str(exc)) from exc
+
+
+# A policy name in a request body, parsed once, here: an unknown name is a 422 with the reason.
+PolicyName = Annotated[InstanceOf[NamedPolicy], BeforeValidator(_parse_policy), WithJsonSchema({"type": "string"})]
 
 
 def check_question(question: str) -> str:
@@ -76,15 +83,14 @@ class RagQuery(BaseModel):
         f"passages to retrieve (default {DEFAULT_TOP_K}); with `documents`, keep the best top_k of them"))
     documents: list[Document] | None = Field(None, min_length=1, max_length=MAX_DOCUMENTS, description=(
         "passages to answer from; omit to retrieve from the server's index"))
-    policy: str | None = Field(None, description="KV link policy (default: the server's)")
+    policy: PolicyName | None = Field(None, description="KV link policy (default: the server's)")
     max_tokens: int = Field(DEFAULT_MAX_TOKENS, gt=0, le=MAX_NEW_TOKENS)
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     stream: bool = False
 
     _question = field_validator("question")(check_question)
-    _policy = field_validator("policy")(check_policy)
 
-    def to_request(self, default_policy: str) -> RagRequest:
+    def to_request(self, default_policy: NamedPolicy) -> RagRequest:
         return RagRequest(
             question=self.question,
             policy=self.policy or default_policy,
@@ -139,7 +145,7 @@ class RagAnswer(BaseModel):
             warnings=plan.warnings,
             usage=Usage(**vars(result.usage)),
             timings=Timings(**vars(result.timings)),
-            policy=plan.request.policy,
+            policy=plan.request.policy.name,
         )
 
 
@@ -169,7 +175,7 @@ def sse(event: dict) -> bytes:
 
 
 def _service(request: Request) -> RagService:
-    return request.app.state.rag
+    return frontend(request).rag
 
 
 async def _plan(service: RagService, query: RagRequest) -> RagPlan:

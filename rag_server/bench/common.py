@@ -1,10 +1,12 @@
 """What `picrag bench quality` and `picrag bench load` share: questions, prompts, one timed request.
 
 Both commands build prompts with the one layout every policy uses (retrieval/prompt_layout.py)
-and send them as `input_ids` + `picrag.link` hints to the frontend's `/generate`, which compiles
-the chunks (hits once warm) and then links: the same path `/rag/query` takes. Every request
-streams, so the client sees the first token when it is produced: TTFT is client wall time from
-sending the request to the first streamed token, frontend compile round trips included.
+and send them as `input_ids` + `picrag.link` hints to the frontend's `/generate`. A linked
+`/generate` takes the link pipeline `/rag/query` takes (rag_server/linking/pipeline.py: compile
+the chunks the store lacks, link, relink on misses), without `/rag/query`'s retrieval and
+passage fitting. Every request streams, so the client sees the first token when it is produced:
+TTFT is client wall time from sending the request to the first streamed token, frontend compile
+round trips included.
 """
 
 from __future__ import annotations
@@ -27,16 +29,13 @@ from typing import Any
 import httpx
 
 from rag_server.linking import sse
+from rag_server.linking.chunk_compiler import compile_request, segments_to_compile
 from retrieval.prompt_layout import CompiledPrompt, PromptLayout, PromptPassage
-from sglang_patches.link_hints import (
-    LinkHintError,
-    LinkRequest,
-    compile_hints,
-    link_hints,
-    split_policy,
-)
+from sglang_patches.link_hints import LinkRequest, link_hints
+from sglang_patches.policies import PolicyError, parse_policy
 
 logger = logging.getLogger(__name__)
+
 
 class BenchError(RuntimeError):
     pass
@@ -69,8 +68,8 @@ def parse_policies(text: str) -> list[PolicyChoice]:
         if not name or any(c.name == name for c in choices):
             continue
         try:
-            split_policy(name)  # the engine's own parser: what it accepts can run
-        except LinkHintError as exc:
+            parse_policy(name)  # the engine's own parser: what it accepts can run
+        except PolicyError as exc:
             choices.append(PolicyChoice(name, str(exc)))
         else:
             choices.append(PolicyChoice(name))
@@ -214,16 +213,10 @@ def warm_chunks(client: httpx.Client, layout: PromptLayout, prompt: CompiledProm
 
     Only the pieces are compiled, never the measured prompt, so no measured request is an exact
     repeat that SGLang's prefix matching would answer on its own."""
-    from rag_server.linking.chunk_compiler import segments_to_compile
-
     link = LinkRequest.of(policy, prompt.chunks, sink_token=layout.tokenizer.bos_token_id)
     segments = segments_to_compile(prompt.input_ids, link)
     for start in range(0, len(segments), 16):  # a few batched requests, not one per piece
-        response = client.post("/generate", json={
-            "input_ids": segments[start:start + 16],
-            "sampling_params": {"max_new_tokens": 0, "temperature": 0},
-            "kv_hints": compile_hints(),
-        })
+        response = client.post("/generate", json=compile_request(segments[start:start + 16]))
         if response.status_code != 200:
             raise BenchError(f"warm-up compile ({policy}) answered {response.status_code}: {response.text[:300]}")
 

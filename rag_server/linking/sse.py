@@ -31,3 +31,15 @@ async def aevents(lines: AsyncIterable[str]) -> AsyncIterator[dict[str, Any]]:
             return
         if data is not None:
             yield json.loads(data)
+
+
+async def alines(chunks: AsyncIterable[bytes]) -> AsyncIterator[str]:
+    """The lines of a byte stream (a raw response body), without their line ends."""
+    pending = b""
+    async for chunk in chunks:
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode(errors="replace")
+    if pending:
+        yield pending.rstrip(b"\r").decode(errors="replace")

@@ -29,6 +29,19 @@ class ContextLimits:
     def prompt_budget(self, max_new_tokens: int) -> int:
         return min(self.max_input_tokens, self.context_length - max_new_tokens)
 
+    def refusal(self, input_tokens: int, sampling: object) -> str | None:
+        """Why the runtime would refuse this prompt (`sampling`: a /generate body's
+        sampling_params), asked before its chunks are compiled: the runtime checks length only
+        when the prompt arrives, after every chunk was computed (minutes on a CPU), and a chunk
+        over the window makes the compile fail as if the runtime had."""
+        if input_tokens > self.max_input_tokens:
+            return f"the prompt ({input_tokens} tokens) is longer than the runtime accepts ({self.max_input_tokens})"
+        max_new = sampling.get("max_new_tokens") if isinstance(sampling, dict) else None
+        if isinstance(max_new, int) and input_tokens + max_new > self.context_length:
+            return (f"prompt ({input_tokens} tokens) plus max_new_tokens ({max_new}) exceed the context "
+                    f"length ({self.context_length})")
+        return None
+
 
 @dataclass(frozen=True)
 class ScoredPassage:

@@ -13,17 +13,18 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from rag_server.linking.pipeline import LinkPipeline
 from rag_server.service.context_window import ContextLimits, PromptTooLong, ScoredPassage, fit_passages
-from rag_server.linking.linked_generation import LinkedGenerator
 from retrieval.prompt_layout import DEFAULT_SYSTEM_PROMPT, CompiledPrompt, PromptLayout, Tokenizer
-from sglang_patches.link_hints import LinkHintError, split_policy
+from sglang_patches.link_hints import LinkRequest
+from sglang_patches.policies import Policy, PolicyError, PolicyFamily, parse_policy
 
 if TYPE_CHECKING:
     from retrieval.retriever import Retriever
 
-# The link policy when a request names none; becomes legolink once the engine has it.
-# LegoLink with k = 16 (EPIC's serving point): answers close to full prefill at a fraction of
-# its cost; "full" is one flag away (picrag serve --default-policy full).
+# The link policy when a request names none: LegoLink with k = 16 (EPIC's serving point),
+# answers close to full prefill at a fraction of its cost; "full" is one flag away
+# (picrag serve --default-policy full).
 DEFAULT_POLICY = "legolink"
 DEFAULT_TOP_K = 5
 
@@ -33,9 +34,26 @@ class RagRequestError(ValueError):
 
 
 @dataclass(frozen=True)
+class NamedPolicy:
+    """A policy parsed once, where a request or the server's settings name it; answers report
+    it as it was named ('legolink', where the policy's canonical name is 'legolink:16')."""
+
+    name: str
+    policy: Policy
+
+    @classmethod
+    def parse(cls, name: str) -> NamedPolicy:
+        return cls(name, parse_policy(name))
+
+    @property
+    def family(self) -> PolicyFamily:
+        return self.policy.family
+
+
+@dataclass(frozen=True)
 class RagRequest:
     question: str
-    policy: str
+    policy: NamedPolicy
     max_tokens: int
     sampling: dict[str, Any] = field(default_factory=dict)  # runtime sampling params besides max_new_tokens
     documents: Sequence[ScoredPassage] | None = None  # None: retrieve from the loaded index
@@ -115,26 +133,27 @@ class RagService:
     def __init__(
         self,
         tokenizer: Tokenizer,
-        generator: LinkedGenerator,
+        pipeline: LinkPipeline,
         limits: ContextLimits,
         retriever: Retriever | None = None,
-        default_policy: str = DEFAULT_POLICY,
+        default_policy: NamedPolicy | None = None,  # None: DEFAULT_POLICY
         unavailable_policies: Mapping[str, str] | None = None,
     ):
         self.tokenizer = tokenizer
-        self.generator = generator
+        self.pipeline = pipeline
         self.limits = limits
         self.retriever = retriever
-        self.default_policy = default_policy
-        self.unavailable_policies = dict(unavailable_policies or {})
+        self.default_policy = default_policy or NamedPolicy.parse(DEFAULT_POLICY)
+        self.unavailable_policies = dict(unavailable_policies or {})  # family name -> why not
         self.layout = PromptLayout(tokenizer)
 
-    def check_available(self, policy: str) -> None:
-        """Raises LinkHintError for a policy this server cannot run (cacherepair without a
+    def check_available(self, family: PolicyFamily) -> None:
+        """Raises PolicyError for a policy family this server cannot run (cacherepair without a
         checkpoint for the model)."""
-        family, _ = split_policy(policy)
-        if family in self.unavailable_policies:
-            raise LinkHintError(f"policy {family!r} is unavailable on this server: {self.unavailable_policies[family]}")
+        if family.name in self.unavailable_policies:
+            raise PolicyError(
+                f"policy {family.name!r} is unavailable on this server: {self.unavailable_policies[family.name]}"
+            )
 
     def _layout(self, request: RagRequest) -> PromptLayout:
         if request.system_prompt is None and not request.history:
@@ -156,8 +175,8 @@ class RagService:
     async def plan(self, request: RagRequest) -> RagPlan:
         started = time.perf_counter()
         try:
-            self.check_available(request.policy)
-        except LinkHintError as exc:
+            self.check_available(request.policy.family)
+        except PolicyError as exc:
             raise RagRequestError(str(exc)) from exc
         if request.documents is None:
             candidates, retrieval_ms = await self.retrieve(request.question, request.top_k or DEFAULT_TOP_K)
@@ -183,13 +202,16 @@ class RagService:
     async def run(self, plan: RagPlan) -> AsyncIterator[str | RagResult]:
         """Text deltas as the runtime produces them, then the RagResult."""
         request, prompt = plan.request, plan.prompt
-        policy = request.policy
-        compile_s = await self.generator.compile(prompt.input_ids, policy, prompt.chunks)
+        link = LinkRequest.of(request.policy.policy, prompt.chunks, self.pipeline.sink_token)
+        link.validate(len(prompt.input_ids))
         sampling = {**request.sampling, "max_new_tokens": request.max_tokens}
+        # Always streamed: the first token is seen when it is produced, so TTFT is measured for
+        # streaming and non-streaming clients alike.
+        linked = await self.pipeline.generate(prompt.input_ids, link, {"sampling_params": sampling, "stream": True})
         answer: list[str] = []
         meta: dict[str, Any] = {}
         first_token_at: float | None = None
-        async for delta in self.generator.stream(prompt.input_ids, policy, prompt.chunks, sampling):
+        async for delta in linked.deltas():
             meta = delta.meta
             if delta.text:
                 if first_token_at is None:
@@ -203,7 +225,7 @@ class RagService:
             usage=_usage(meta, len(prompt.input_ids)),
             timings=RagTimings(
                 retrieval_ms=plan.retrieval_ms,
-                compile_ms=_ms(compile_s),
+                compile_ms=_ms(linked.compile_s),
                 ttft_ms=_ms((first_token_at or finished) - plan.started),
                 total_ms=_ms(finished - plan.started),
             ),

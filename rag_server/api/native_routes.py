@@ -1,0 +1,121 @@
+"""SGLang's native routes that picrag extends: `/generate`, `/flush_cache` and the DSL's
+`/concate_and_append_request`.
+
+A `/generate` body with a `picrag.link` hint, or a text with chunk markers (which becomes one,
+rag_server/api/chunk_markers.py), is checked here, once: a well-formed link over a flat
+`input_ids` prompt, a policy this server runs, a prompt the runtime would accept. It then takes
+the link pipeline (rag_server/linking/pipeline.py), and the runtime's answer is relayed as SGLang
+wrote it. Other bodies are forwarded untouched; the pieces of a `picrag.compile` request are
+remembered by the compiler once the runtime stored them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from rag_server.api.chunk_markers import link_marked_payload
+from rag_server.api.proxy import forward, forwarded_headers, relay
+from rag_server.api.state import Frontend, frontend
+from rag_server.linking.pipeline import GenerationError
+from sglang_patches.link_hints import LinkHintError, LinkRequest, parse_link_request
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter()
+
+
+def _error(status: int, message: str, error_type: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": error_type}}, status)
+
+
+@router.post("/generate", include_in_schema=False)
+async def generate(request: Request) -> Response:
+    """SGLang's /generate; prompts with a picrag.link hint get their chunks compiled first."""
+    body = await request.body()
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return await forward(request, body)  # SGLang answers malformed JSON itself
+    if not isinstance(payload, dict):
+        return await forward(request, body)
+    state = frontend(request)
+    if not payload.get("kv_hints"):
+        marked = link_marked_payload(payload, state.rag.layout.encode, state.special_prefix,
+                                     state.rag.default_policy.policy)
+        if marked is None:
+            return await forward(request, body)
+        payload, body = marked, json.dumps(marked).encode()
+    try:
+        link = parse_link_request(payload["kv_hints"])
+    except LinkHintError as exc:
+        return _error(400, str(exc), "invalid_kv_hints")
+    if link is None:
+        return await forward(request, body)
+    if link.compile:
+        return await _compile(request, body, payload, state)
+    return await _linked(request, payload, link, state)
+
+
+async def _linked(request: Request, payload: dict[str, Any], link: LinkRequest, state: Frontend) -> Response:
+    input_ids = payload.get("input_ids")
+    try:
+        if not (isinstance(input_ids, list) and all(isinstance(t, int) for t in input_ids)):
+            raise LinkHintError("picrag.link chunk spans index input_ids: send one prompt as a flat input_ids list")
+        link = state.pipeline.with_sink(link)
+        link.validate(len(input_ids))
+        state.rag.check_available(link.family)
+    except LinkHintError as exc:
+        return _error(400, str(exc), "invalid_kv_hints")
+    too_long = state.rag.limits.refusal(len(input_ids), payload.get("sampling_params"))
+    if too_long:
+        return _error(400, too_long, "prompt_too_long")
+    fields = {k: v for k, v in payload.items() if k not in ("input_ids", "kv_hints")}
+    try:
+        linked = await state.pipeline.generate(input_ids, link, fields, headers=forwarded_headers(request),
+                                               params=request.query_params)
+    except GenerationError as exc:
+        logger.error("linked /generate failed: %s", exc)
+        return _error(exc.status, str(exc), "compile_failed")
+    return relay(linked.response, linked.head if linked.rest is None else linked.body())
+
+
+async def _compile(request: Request, body: bytes, payload: dict[str, Any], state: Frontend) -> Response:
+    response = await forward(request, body)
+    pieces = payload.get("input_ids")
+    if response.status_code == 200:
+        if isinstance(pieces, list) and pieces and all(isinstance(t, int) for t in pieces):
+            pieces = [pieces]
+        if isinstance(pieces, list) and all(isinstance(p, list) for p in pieces):
+            state.pipeline.compiler.remember_compiled(pieces)
+    return response
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"], include_in_schema=False)
+async def flush_cache(request: Request) -> Response:
+    """SGLang's flush; the compiler forgets what it compiled, since nothing is stored now."""
+    frontend(request).pipeline.compiler.forget()
+    return await forward(request)
+
+
+@router.post("/concate_and_append_request", include_in_schema=False)
+async def concate_and_append_request(request: Request) -> Response:
+    """The DSL's `join(mode="concate_and_append")`; SGLang 0.5.23 dropped the route.
+
+    By the time the DSL calls it, it has already appended the forks' texts to the parent's
+    text, and every later `/generate` sends that whole text, so acknowledging is enough for
+    correct results. The forks' KV is not spliced: the radix cache reuses the common
+    prefix, and passages wrapped in `rag_server.dsl.chunk` are reused at any position.
+    """
+    try:
+        payload = json.loads(await request.body())
+    except ValueError:
+        payload = None
+    if not (isinstance(payload, dict) and isinstance(payload.get("src_rids"), list)
+            and isinstance(payload.get("dst_rid"), str)):
+        return JSONResponse({"error": {"message": "expected {\"src_rids\": [...], \"dst_rid\": \"...\"}"}}, 400)
+    return JSONResponse({"success": True})

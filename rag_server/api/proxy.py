@@ -1,0 +1,92 @@
+"""SGLang's routes through the frontend, unchanged: requests are relayed to the runtime and its
+answers (streams included, byte for byte) back to the client, so unmodified SGLang clients work
+against picrag's port."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import httpx
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from rag_server.api.state import frontend
+from rag_server.linking.pipeline import is_stream
+
+logger = logging.getLogger(__name__)
+
+# SGLang routes the frontend forwards as they are (/generate, /flush_cache and
+# /v1/chat/completions are forwarded by their own handlers, which add picrag's part).
+PASSTHROUGH_ROUTES: dict[str, list[str]] = {
+    "/get_model_info": ["GET"],
+    "/model_info": ["GET"],
+    "/get_server_info": ["GET"],
+    "/server_info": ["GET"],
+    "/abort_request": ["POST"],
+    "/metrics": ["GET"],
+    "/v1/loads": ["GET"],
+    "/v1/models": ["GET"],
+    "/v1/completions": ["POST"],
+}
+HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "content-encoding"})
+# The API key is the frontend's: the runtime (loopback, no key) never sees it.
+_CREDENTIAL_HEADERS = frozenset({"authorization", "x-api-key"})
+
+
+def forwarded_headers(request: Request) -> dict[str, str]:
+    """The client's headers that go on to the runtime."""
+    return {k: v for k, v in request.headers.items()
+            if k.lower() not in {"host", *HOP_HEADERS, *_CREDENTIAL_HEADERS}}
+
+
+def relayed_headers(upstream: httpx.Response) -> dict[str, str]:
+    """The runtime's headers that go back to the client."""
+    return {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
+
+
+def relay(upstream: httpx.Response, body: bytes | AsyncIterator[bytes]) -> Response:
+    """The runtime's answer as the client's: `body` whole, or streamed as it arrives."""
+    if isinstance(body, bytes):
+        return Response(body, status_code=upstream.status_code, headers=relayed_headers(upstream))
+    return StreamingResponse(body, status_code=upstream.status_code, headers=relayed_headers(upstream))
+
+
+async def _raw_stream(upstream: httpx.Response) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    finally:
+        await upstream.aclose()
+
+
+async def forward(request: Request, body: bytes | None = None) -> Response:
+    """The client's request (`body`: its body, when the handler read it) answered by the runtime."""
+    client = frontend(request).client
+    try:
+        upstream = await client.send(client.build_request(
+            request.method,
+            request.url.path,
+            params=request.query_params,
+            content=await request.body() if body is None else body,
+            headers=forwarded_headers(request),
+        ), stream=True)
+    except httpx.HTTPError as exc:
+        logger.error("runtime request %s failed: %s", request.url.path, exc)
+        return JSONResponse({"error": f"runtime unavailable: {exc}"}, 503)
+    if is_stream(upstream):
+        return relay(upstream, _raw_stream(upstream))
+    try:
+        data = await upstream.aread()
+    finally:
+        await upstream.aclose()
+    return relay(upstream, data)
+
+
+async def passthrough(request: Request) -> Response:
+    return await forward(request)
+
+
+router = APIRouter()
+for _path, _methods in PASSTHROUGH_ROUTES.items():
+    router.add_api_route(_path, passthrough, methods=_methods, include_in_schema=False)

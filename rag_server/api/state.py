@@ -1,0 +1,93 @@
+"""What every route of the frontend shares, opened when the app starts: the runtime client, the
+link pipeline and the RAG service (`app.state.frontend`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import httpx
+from fastapi import Request
+
+from rag_server.api.chunk_markers import leading_special_tokens
+from rag_server.linking.chunk_compiler import ChunkCompiler
+from rag_server.linking.pipeline import LinkPipeline
+from rag_server.service.context_window import ContextLimits
+from rag_server.service.rag_service import NamedPolicy, RagService
+
+
+@dataclass(frozen=True)
+class FrontendSettings:
+    runtime_url: str
+    default_policy: NamedPolicy
+    model_path: Optional[Path] = None  # default: the runtime's
+    index_dir: Optional[Path] = None
+    unavailable_policies: Mapping[str, str] = field(default_factory=dict)  # family -> why not here
+
+
+@dataclass
+class Frontend:
+    client: httpx.AsyncClient  # to the runtime
+    pipeline: LinkPipeline
+    rag: RagService
+    model_name: str
+    special_prefix: list[int]  # what the tokenizer puts before any text (chunk-marked prompts)
+
+    @classmethod
+    async def open(cls, settings: FrontendSettings) -> Frontend:
+        # No read timeout: a long prefill on CPU can take minutes before the first byte.
+        client = httpx.AsyncClient(base_url=settings.runtime_url, timeout=httpx.Timeout(10.0, read=None))
+        try:
+            info = (await client.get("/get_model_info")).json()
+            model_dir = Path(settings.model_path or info["model_path"])
+            tokenizer = await asyncio.to_thread(_load_tokenizer, Path(info.get("tokenizer_path") or model_dir))
+            retriever = await asyncio.to_thread(_open_index, settings.index_dir) if settings.index_dir else None
+            pipeline = LinkPipeline(client, ChunkCompiler(client), sink_token=tokenizer.bos_token_id)
+            rag = RagService(
+                tokenizer,
+                pipeline,
+                await _context_limits(client, model_dir),
+                retriever=retriever,
+                default_policy=settings.default_policy,
+                unavailable_policies=settings.unavailable_policies,
+            )
+        except BaseException:
+            await client.aclose()
+            raise
+        return cls(client, pipeline, rag, info.get("served_model_name") or info["model_path"],
+                   leading_special_tokens(tokenizer))
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+def frontend(request: Request) -> Frontend:
+    return request.app.state.frontend
+
+
+async def _context_limits(client: httpx.AsyncClient, model_path: Path) -> ContextLimits:
+    server_info = (await client.get("/get_server_info")).json()
+    context_length = server_info.get("context_length")
+    if not context_length:  # not set on the command line: the model's own
+        config = json.loads((model_path / "config.json").read_text())
+        context_length = config["max_position_embeddings"]
+    return ContextLimits(
+        context_length=int(context_length),
+        max_input_tokens=int(server_info.get("max_req_input_len") or context_length),
+    )
+
+
+def _load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _open_index(index_dir: Path):
+    from retrieval.retriever import Retriever
+
+    return Retriever.open(index_dir)

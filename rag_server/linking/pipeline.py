@@ -1,0 +1,210 @@
+"""The one path a linked prompt takes to the runtime: compile, link, relink on misses, stream.
+
+Every linked prompt goes through `LinkPipeline.generate`: a client's `/generate` with a
+`picrag.link` hint, a DSL prompt with chunk markers (rewritten into one), `/rag/query` and the
+OpenAI chat extension. It compiles the pieces the chunk store lacks (chunk_compiler.py), sends
+the link to the runtime's `/generate`, and hands back the runtime's response once its first event
+was checked (`Linked`). `/generate` relays that response byte for byte, so unmodified SGLang
+clients read SGLang's own format; the RAG routes read it as text deltas.
+
+Relinking: compile and link are two requests, so under memory pressure a chunk compiled for a
+prompt can be evicted before the link arrives (and a compile skipped because the frontend
+compiled the chunk earlier finds it gone). The engine then computes the chunk as ordinary tokens:
+correct attention, but not the policy asked for, and an answer that differs from the same request
+on a quiet server. The link's first response already reports its chunk misses (`meta_info`: the
+first event of a stream, the whole body otherwise), so such a response is dropped before anything
+reaches the client (dropping a stream aborts the request in the runtime), the chunks are compiled
+again, and the link is sent again, at most MAX_RELINKS times; the last attempt is answered as it
+is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import httpx
+
+from rag_server.linking import sse
+from rag_server.linking.chunk_compiler import ChunkCompiler, CompileError
+from sglang_patches.link_hints import LinkRequest, runtime_request
+
+logger = logging.getLogger(__name__)
+
+MAX_RELINKS = 3
+_JSON = {"content-type": "application/json"}
+
+
+class GenerationError(RuntimeError):
+    """The chunks could not be compiled, or the runtime refused or failed the request; `status`
+    is the HTTP status to report."""
+
+    def __init__(self, message: str, status: int = 502):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class RuntimeDelta:
+    text: str  # text produced since the previous delta
+    meta: dict[str, Any]  # the runtime's meta_info; the last delta's carries the final counts
+
+
+def chunk_misses(meta_info: Optional[dict[str, Any]]) -> int:
+    details = (meta_info or {}).get("cached_tokens_details") or {}
+    return int(details.get("picrag_chunk_misses", 0) or 0)
+
+
+def response_misses(body: bytes) -> int:
+    """Chunk misses reported by a non-streamed /generate answer (one object or a list)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return 0
+    outputs = data if isinstance(data, list) else [data]
+    return sum(chunk_misses(out.get("meta_info")) for out in outputs if isinstance(out, dict))
+
+
+async def first_event(chunks: AsyncIterator[bytes]) -> tuple[bytes, Optional[dict[str, Any]]]:
+    """Read a server-sent-event stream up to its first `data:` event: (the bytes read, that
+    event's JSON, or None when the stream ended or the event is not JSON)."""
+    buffered = b""
+    async for chunk in chunks:
+        buffered += chunk
+        complete, separator, _ = buffered.rpartition(b"\n\n")
+        for line in complete.decode(errors="replace").split("\n") if separator else ():
+            data = sse.data_of(line)
+            if data is not None:
+                try:
+                    return buffered, json.loads(data)
+                except ValueError:
+                    return buffered, None
+    return buffered, None
+
+
+def is_stream(response: httpx.Response) -> bool:
+    return response.headers.get("content-type", "").startswith("text/event-stream")
+
+
+@dataclass
+class Linked:
+    """The runtime's response to a link, as far as it was read to count its chunk misses.
+
+    A stream is open: `head` holds its bytes up to the first event and `rest` (its one raw
+    iterator) the others; read it with `body` or `deltas`, or `aclose` it. A whole answer was
+    read into `head` and closed (`rest` None)."""
+
+    response: httpx.Response
+    head: bytes
+    rest: Optional[AsyncIterator[bytes]]
+    misses: int
+    compile_s: float  # spent making sure the chunks were stored, relinks included
+
+    @classmethod
+    async def read(cls, response: httpx.Response, compile_s: float) -> Linked:
+        try:
+            if is_stream(response):
+                rest = response.aiter_raw()
+                head, event = await first_event(rest)
+                return cls(response, head, rest, chunk_misses((event or {}).get("meta_info")), compile_s)
+            head = await response.aread()
+        except BaseException:
+            await response.aclose()
+            raise
+        await response.aclose()
+        misses = response_misses(head) if response.status_code == 200 else 0
+        return cls(response, head, None, misses, compile_s)
+
+    async def body(self) -> AsyncIterator[bytes]:
+        """The response's bytes as the runtime sent them; closes it at the end."""
+        try:
+            if self.head:
+                yield self.head
+            if self.rest is not None:
+                async for chunk in self.rest:
+                    yield chunk
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        await self.response.aclose()
+
+    async def deltas(self) -> AsyncIterator[RuntimeDelta]:
+        """The text a streamed generation produces, delta by delta; GenerationError for a
+        runtime that refused or failed it."""
+        try:
+            status = self.response.status_code
+            if status != 200:
+                detail = b"".join([chunk async for chunk in self.body()]).decode(errors="replace")[:500]
+                # The runtime's 4xx (e.g. a prompt it rejects) is the caller's problem to fix.
+                raise GenerationError(f"runtime answered {status}: {detail}", status if 400 <= status < 500 else 502)
+            emitted = 0
+            async for event in sse.aevents(sse.alines(self.body())):
+                if "error" in event:
+                    raise GenerationError(f"runtime error: {event['error']}")
+                # SGLang streams the cumulative text of the request.
+                text = event.get("text", "")
+                yield RuntimeDelta(text[emitted:], event.get("meta_info") or {})
+                emitted = len(text)
+        except httpx.HTTPError as exc:
+            raise GenerationError(f"runtime unavailable: {exc}", 503) from exc
+        finally:
+            await self.aclose()
+
+
+class LinkPipeline:
+    def __init__(self, client: httpx.AsyncClient, compiler: ChunkCompiler, sink_token: Optional[int] = None):
+        self.client = client
+        self.compiler = compiler
+        self.sink_token = sink_token  # the model's BOS: the sink that policies with sink tokens compile
+
+    def with_sink(self, link: LinkRequest) -> LinkRequest:
+        """`link` with this model's sink token where its policy compiles chunks behind sinks
+        and the client named none."""
+        if link.family.sink_tokens and link.sink_token is None:
+            return dataclasses.replace(link, sink_token=self.sink_token)
+        return link
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        link: LinkRequest,
+        fields: Mapping[str, Any],
+        headers: Mapping[str, str] = _JSON,
+        params: Any = None,
+    ) -> Linked:
+        """Send `fields` (a /generate body without its prompt) with `input_ids` linked as
+        `link` says, its chunks compiled first; relinked when chunks are missing at link time.
+        `headers` and `params` go with every link request."""
+        runtime_ids, hints = runtime_request(input_ids, link)
+        content = json.dumps({**fields, "input_ids": runtime_ids, "kv_hints": hints}).encode()
+        relinks = MAX_RELINKS if link.family.reuses_chunks and link.chunks else 0
+        compile_s = 0.0
+        for attempt in range(relinks + 1):
+            compile_s += await self._compile(input_ids, link, skip_known=attempt == 0)
+            try:
+                request = self.client.build_request("POST", "/generate", content=content, headers=headers,
+                                                    params=params)
+                linked = await Linked.read(await self.client.send(request, stream=True), compile_s)
+            except httpx.HTTPError as exc:
+                raise GenerationError(f"runtime unavailable: {exc}", 503) from exc
+            if attempt == relinks or not linked.misses:
+                return linked
+            await linked.aclose()
+            logger.warning("%d chunk(s) not in the store at link time: compiling again (retry %d)",
+                           linked.misses, attempt + 1)
+            self.compiler.note_eviction()
+        raise AssertionError("the last attempt always answers")
+
+    async def _compile(self, input_ids: list[int], link: LinkRequest, skip_known: bool) -> float:
+        started = time.perf_counter()
+        try:
+            await self.compiler.prepare(input_ids, link, skip_known=skip_known)
+        except (CompileError, httpx.HTTPError) as exc:
+            raise GenerationError(f"chunk compile failed: {exc}", 503) from exc
+        return time.perf_counter() - started
