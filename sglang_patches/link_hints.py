@@ -40,17 +40,6 @@ REORDERED_LAYOUT = "legolink"
 LinkHintError = PolicyError
 
 
-def split_policy(name: str) -> tuple[str, float]:
-    """'legolink:4' -> ('legolink', 4); 'cacheblend:0.3' -> ('cacheblend', 0.3); families
-    without a parameter -> (name, 0). Prefer parse_policy."""
-    policy = parse_policy(name)
-    return policy.family.name, 0 if policy.param is None else policy.param
-
-
-# The families that compile chunks and link them.
-CHUNK_POLICIES = tuple(name for name, family in POLICY_FAMILIES.items() if family.reuses_chunks)
-
-
 @dataclass(frozen=True)
 class LinkRequest:
     policy: str  # the family's name (a key of POLICY_FAMILIES)
