@@ -16,9 +16,9 @@ from pathlib import Path
 
 Handler = Callable[[argparse.Namespace], int]
 
-DEFAULT_GROUPS = 180
-DEFAULT_VAL_GROUPS = 20
-DEFAULT_MAX_PASSAGE_TOKENS = 200
+# Per --layout: (groups, validation groups, passage token cap).
+LAYOUT_DEFAULTS = {"serving": (150, 32, 192), "passages": (180, 20, 200)}
+DEFAULT_MAX_DISK_GB = 25.0
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -31,20 +31,36 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="repair_command", metavar="COMMAND", required=True)
 
+    from cache_repair.groups import GroupShape
+
+    shape = GroupShape()
     pairs = commands.add_parser(
         "pairs", help="compute training pairs (stale and joint chunk KV) with the real model",
-        description="Prefill random groups of NQ training passages alone and jointly, in the serving "
-        "prompt layout, and write one shard per group. Resumable: existing shards are skipped.",
+        description="Prefill groups of NQ training passages alone and jointly, in the serving prompt "
+        "layout, and write one shard per group. --layout serving (default): requests as the server "
+        "builds them, [head][8-20 passages][question + tail], each around an NQ question whose gold "
+        "passage is in the group, with the joint prefill's logits over the question; --layout "
+        "passages: 2-6 passages behind the head, no question. Resumable: existing shards are skipped.",
     )
     pairs.add_argument("--out", type=Path, required=True, metavar="DIR")
     pairs.add_argument("--model", default=None, metavar="PRESET|PATH", help="default: the default preset")
-    pairs.add_argument("--groups", type=_positive_int, default=DEFAULT_GROUPS,
-                       help=f"training groups of 2-6 passages (default {DEFAULT_GROUPS})")
-    pairs.add_argument("--val-groups", type=_positive_int, default=DEFAULT_VAL_GROUPS,
-                       help=f"validation groups, on passages never used for training (default {DEFAULT_VAL_GROUPS})")
+    pairs.add_argument("--layout", choices=sorted(LAYOUT_DEFAULTS), default="serving")
+    pairs.add_argument("--groups", type=_positive_int, default=None,
+                       help="training groups (default: " + _per_layout(0) + ")")
+    pairs.add_argument("--val-groups", type=_positive_int, default=None,
+                       help="validation groups, on passages never used for training (default: "
+                       + _per_layout(1) + ")")
     pairs.add_argument("--seed", type=int, default=0)
-    pairs.add_argument("--max-passage-tokens", type=_positive_int, default=DEFAULT_MAX_PASSAGE_TOKENS,
-                       help=f"cut longer passages at a word boundary (default {DEFAULT_MAX_PASSAGE_TOKENS})")
+    pairs.add_argument("--max-passage-tokens", type=_positive_int, default=None,
+                       help="cut longer passages at a word boundary (default: " + _per_layout(2) + ")")
+    pairs.add_argument("--min-passages", type=_positive_int, default=shape.min_passages,
+                       help=f"serving: fewest passages per group (default {shape.min_passages})")
+    pairs.add_argument("--max-passages", type=_positive_int, default=shape.max_passages,
+                       help=f"serving: most passages per group (default {shape.max_passages})")
+    pairs.add_argument("--passage-reuse", type=_positive_int, default=shape.reuse,
+                       help=f"serving: groups each passage appears in, on average (default {shape.reuse})")
+    pairs.add_argument("--max-disk-gb", type=float, default=DEFAULT_MAX_DISK_GB,
+                       help=f"serving: refuse a plan whose pairs need more (default {DEFAULT_MAX_DISK_GB:g})")
     pairs.add_argument("--data", type=Path, default=None, metavar="FILE.jsonl",
                        help="training passages in the shared QA format (default: nq_open_oracle.train.jsonl)")
     _threads_option(pairs)
@@ -66,6 +82,14 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     train.add_argument("--val-every", type=_positive_int, default=defaults.val_every,
                        help="validate and save a resumable state every N steps")
     train.add_argument("--seed", type=int, default=defaults.seed)
+    train.add_argument("--residual-weight", type=float, default=defaults.residual_weight,
+                       help="weight of the KV residual MSE (default %(default)s)")
+    train.add_argument("--kl-weight", type=float, default=defaults.kl_weight,
+                       help="weight of the answer KL to the joint prefill, back-propagated through the frozen "
+                       "LLM; serving-shaped pairs only (default %(default)s)")
+    train.add_argument("--kl-positions", type=int, default=defaults.kl_positions,
+                       help="answer KL over the last N prompt positions: 1 = the first answer token, "
+                       "0 = every question token (default %(default)s)")
     train.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     train.add_argument("--model", default=None, metavar="PRESET|PATH",
                        help="the pairs' model if its folder moved (default: the one in the pairs manifest)")
@@ -73,15 +97,18 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     train.set_defaults(func=_guarded("train", _train))
 
     evaluate = commands.add_parser(
-        "eval", help="per-layer relative KV error of a checkpoint on pairs",
+        "eval", help="relative KV error (and first-token KL) of a checkpoint on pairs",
         description="Print ||repaired - joint|| / ||stale - joint|| per layer for K and V (1.0 before "
-        "repair by definition) and write it as JSON.",
+        "repair by definition) and, on serving-shaped pairs, the exact first-token KL (full "
+        "vocabulary) to the joint prefill and greedy first-token agreement; write it as JSON.",
     )
     evaluate.add_argument("--pairs", type=Path, required=True, metavar="DIR")
-    evaluate.add_argument("--checkpoint", type=Path, required=True, metavar="CKPT_DIR")
+    which = evaluate.add_mutually_exclusive_group(required=True)
+    which.add_argument("--checkpoint", type=Path, metavar="CKPT_DIR")
+    which.add_argument("--naive", action="store_true", help="no repair (a zero network): the stale KV as is")
     evaluate.add_argument("--split", choices=["val", "train"], default="val")
     evaluate.add_argument("--out", type=Path, default=None, metavar="FILE.json",
-                          help="default: CKPT_DIR/eval_<split>.json")
+                          help="default: CKPT_DIR/eval_<split>.json (required with --naive)")
     evaluate.add_argument("--model", default=None, metavar="PRESET|PATH",
                           help="default: the model folder in the pairs manifest")
     _threads_option(evaluate)
@@ -94,6 +121,10 @@ def _positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, not {value}")
     return value
+
+
+def _per_layout(index: int) -> str:
+    return ", ".join(f"{values[index]} for {layout}" for layout, values in LAYOUT_DEFAULTS.items())
 
 
 def _threads_option(parser: argparse.ArgumentParser) -> None:
@@ -126,11 +157,21 @@ def _guarded(name: str, handler: Handler) -> Handler:
 
 
 def _pairs(args: argparse.Namespace) -> int:
+    from cache_repair.groups import GroupShape
     from cache_repair.pairs import DEFAULT_DATA, generate_pairs
+    from cache_repair.serving_pairs import generate_serving_pairs
     from sglang_patches.model_store import resolve_model
 
-    generate_pairs(args.out, resolve_model(args.model), args.groups, args.val_groups, args.seed,
-                   args.max_passage_tokens, args.data or DEFAULT_DATA)
+    groups, val_groups, max_tokens = (
+        given or default for given, default in zip((args.groups, args.val_groups, args.max_passage_tokens),
+                                                   LAYOUT_DEFAULTS[args.layout]))
+    model_dir, data = resolve_model(args.model), args.data or DEFAULT_DATA
+    if args.layout == "passages":
+        generate_pairs(args.out, model_dir, groups, val_groups, args.seed, max_tokens, data)
+    else:
+        shape = GroupShape(min_passages=args.min_passages, max_passages=args.max_passages, max_tokens=max_tokens,
+                           reuse=args.passage_reuse)
+        generate_serving_pairs(args.out, model_dir, groups, val_groups, args.seed, shape, args.max_disk_gb, data)
     return 0
 
 
@@ -140,7 +181,9 @@ def _train(args: argparse.Namespace) -> int:
     from sglang_patches.model_store import resolve_model
 
     options = TrainOptions(steps=args.steps, lr=args.lr, width=args.width, blocks=args.blocks,
-                           warmup=args.warmup, val_every=args.val_every, seed=args.seed)
+                           warmup=args.warmup, val_every=args.val_every, seed=args.seed,
+                           residual_weight=args.residual_weight, kl_weight=args.kl_weight,
+                           kl_positions=args.kl_positions)
     model_dir = resolve_model(args.model) if args.model else None
     Trainer(args.pairs, args.out, options, model_dir).run(resume=args.resume)
     return 0
@@ -148,22 +191,35 @@ def _train(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from sglang_patches.repair.checkpoint import load_repairer
-    from sglang_patches.repair.config import read_token_embedding
-    from cache_repair.pairs import pairs_model, shard_paths
-    from cache_repair.train import evaluate
+    from sglang_patches.repair.config import RepairConfig, read_token_embedding
+    from sglang_patches.repair.network import RepairNetwork
+    from cache_repair.pairs import pairs_model, read_manifest, shard_paths
+    from cache_repair.train import answer_reader, compute_stats, evaluate
     from sglang_patches.model_store import resolve_model
 
     model_dir, fingerprint = pairs_model(args.pairs, resolve_model(args.model) if args.model else None)
-    repairer = load_repairer(args.checkpoint, read_token_embedding(model_dir), fingerprint)
-    result = evaluate(repairer.network, repairer.stats, shard_paths(args.pairs, args.split))
+    paths = shard_paths(args.pairs, args.split)
+    if args.naive:
+        if args.out is None:
+            raise ValueError("--naive needs --out FILE.json")
+        # A zero network repairs nothing whatever its statistics: these only scale the loss.
+        config = RepairConfig.from_dict(read_manifest(args.pairs)["repair_config"])
+        network, stats = RepairNetwork(config, read_token_embedding(model_dir)), compute_stats(paths)
+    else:
+        repairer = load_repairer(args.checkpoint, read_token_embedding(model_dir), fingerprint)
+        network, stats = repairer.network, repairer.stats
+    result = evaluate(network, stats, paths, answer_reader(args.pairs, model_dir))
     print(f"{args.split}: {result.groups} groups, {result.tokens} chunk tokens, loss {result.loss:.4f}")
     print("layer  K before  K after  V before  V after")
     for layer, (k, v) in enumerate(zip(result.relative_k, result.relative_v)):
         print(f"{layer:5d}  {_ratio(k, 1.0)}  {_ratio(k, k)}  {_ratio(v, 1.0)}  {_ratio(v, v)}")
     print(f"  all  {1.0:8.3f}  {result.overall_k:8.3f}  {1.0:8.3f}  {result.overall_v:8.3f}")
+    if result.first_token_kl is not None:
+        print(f"first-token KL to the joint prefill (exact, full vocabulary): {result.first_token_kl:.4f}; "
+              f"greedy first token agrees on {result.first_token_agreement:.1%} of groups")
     out = args.out or Path(args.checkpoint) / f"eval_{args.split}.json"
-    report = {"checkpoint": str(args.checkpoint), "pairs": str(args.pairs), "split": args.split,
-              "model_fingerprint": fingerprint, "before": 1.0, **result.to_dict()}
+    report = {"checkpoint": "naive" if args.naive else str(args.checkpoint), "pairs": str(args.pairs),
+              "split": args.split, "model_fingerprint": fingerprint, "before": 1.0, **result.to_dict()}
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"written to {out}")
     return 0

@@ -13,6 +13,11 @@ context the chunk did not see. One shard per group, fp16:
 The group plan (which passages, seeded) is fixed in manifest.json before any prefill, so an
 interrupted run resumes by skipping the shards already written. Validation groups draw from
 their own passages, never used in training.
+
+Serving-shaped pairs (`cache_repair.serving_pairs`) share this shard format and add the
+question: `question_ids` [Q], the joint prefill's `teacher_logits` [Q, vocab] (fp32) at the
+question's positions, and `start` (the prompt position of the first chunk token). Their stale
+KV is stored once per passage (`chunks/<row>.safetensors`) and named in the shard's metadata.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -50,7 +56,8 @@ class PairsError(ValueError):
 
 @dataclass
 class Pair:
-    """One group's chunk tokens; K in RoPE-free coordinates."""
+    """One group's chunk tokens; K in RoPE-free coordinates. Serving-shaped groups also carry
+    their question and the joint prefill's logits over it."""
 
     stale_k: torch.Tensor
     stale_v: torch.Tensor
@@ -58,27 +65,51 @@ class Pair:
     target_v: torch.Tensor
     token_ids: torch.Tensor
     chunk_ids: torch.Tensor
+    question_ids: torch.Tensor | None = None
+    teacher_logits: torch.Tensor | None = None
+    start: int = 0
 
     def save(self, path: Path, metadata: dict[str, str]) -> None:
         tensors = {name: getattr(self, name) for name in ("stale_k", "stale_v", "target_k", "target_v")}
-        for name, tensor in tensors.items():
-            tensors[name] = tensor.to(torch.float16).contiguous()
-            if not torch.isfinite(tensors[name]).all():
-                raise PairsError(f"{name} overflows fp16 in {path.name}")
-        tensors.update(token_ids=self.token_ids.contiguous(), chunk_ids=self.chunk_ids.contiguous())
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        save_file(tensors, tmp, metadata=metadata)
-        os.replace(tmp, path)
+        save_shard(path, tensors, {"token_ids": self.token_ids, "chunk_ids": self.chunk_ids}, metadata)
 
     @classmethod
     def load(cls, path: Path, dtype: torch.dtype = torch.float32) -> Pair:
+        path = Path(path)
         t = load_file(path)
+        if "stale_k" not in t:  # serving-shaped: stale KV lives once per passage
+            with safe_open(path, "pt") as f:
+                metadata = f.metadata()
+            chunks = [load_file(path.parents[1] / chunk_name(row)) for row in json.loads(metadata["chunks"])]
+            t["stale_k"] = torch.cat([c["stale_k"] for c in chunks])
+            t["stale_v"] = torch.cat([c["stale_v"] for c in chunks])
+            t["start"] = torch.tensor(int(metadata["start"]))
         return cls(*(t[n].to(dtype) for n in ("stale_k", "stale_v", "target_k", "target_v")),
-                   t["token_ids"], t["chunk_ids"])
+                   t["token_ids"], t["chunk_ids"], t.get("question_ids"), t.get("teacher_logits"),
+                   int(t.get("start", 0)))
 
     @property
     def tokens(self) -> int:
         return self.token_ids.shape[0]
+
+
+def chunk_name(row: int) -> str:
+    return f"chunks/{row:05d}.safetensors"
+
+
+def save_shard(path: Path, kv: dict[str, torch.Tensor], exact: dict[str, torch.Tensor],
+               metadata: dict[str, str]) -> None:
+    """KV tensors in fp16 (refused if they overflow), `exact` ones as they are; written to a
+    temporary name and renamed, so an interrupted run never leaves a half-written shard."""
+    tensors = {}
+    for name, tensor in kv.items():
+        tensors[name] = tensor.to(torch.float16).contiguous()
+        if not torch.isfinite(tensors[name]).all():
+            raise PairsError(f"{name} overflows fp16 in {path.name}")
+    tensors.update({name: tensor.contiguous() for name, tensor in exact.items()})
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file(tensors, tmp, metadata=metadata)
+    os.replace(tmp, path)
 
 
 def rope_cos_sin(hf_config: dict[str, Any]) -> tuple[torch.Tensor, int]:
@@ -115,8 +146,8 @@ class PairMaker:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.layout = PromptLayout(self.tokenizer)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        # The decoder alone: the LM head's logits over the whole vocabulary are not needed.
-        self.decoder = model.model
+        # The decoder alone: logits are only needed at a serving group's question positions.
+        self.decoder, self.lm_head = model.model, model.lm_head
 
     def passage_ids(self, passage: PromptPassage, max_tokens: int) -> list[int]:
         """The passage's serving token ids, its text cut at a word boundary to fit max_tokens
@@ -136,21 +167,26 @@ class PairMaker:
         return ids if len(ids) <= max_tokens else ids[:max_tokens]
 
     @torch.inference_mode()
-    def _derotated_kv(self, input_ids: list[int], skip: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K (RoPE-free) and V [n - skip, L, H, D] of a prefill of input_ids from position 0."""
-        cache = self.decoder(input_ids=torch.tensor([input_ids]), use_cache=True).past_key_values
-        keys = torch.stack([layer.keys[0, :, skip:] for layer in cache.layers], dim=0)  # [L, H, n, D]
-        values = torch.stack([layer.values[0, :, skip:] for layer in cache.layers], dim=0)
+    def prefill(self, input_ids: list[int], first: int, last: int, logits_from: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """K (RoPE-free) and V [last - first, L, H, D] of tokens first..last-1 of a prefill of
+        input_ids from position 0, and the fp32 logits at positions logits_from.. if asked."""
+        output = self.decoder(input_ids=torch.tensor([input_ids]), use_cache=True)
+        cache = output.past_key_values
+        keys = torch.stack([layer.keys[0, :, first:last] for layer in cache.layers], dim=0)  # [L, H, n, D]
+        values = torch.stack([layer.values[0, :, first:last] for layer in cache.layers], dim=0)
         keys, values = keys.permute(2, 0, 1, 3), values.permute(2, 0, 1, 3)  # [n, L, H, D]
         n, layers, heads, dim = keys.shape
-        positions = torch.arange(skip, skip + n)
+        positions = torch.arange(first, first + n)
         keys = self.shifter.shift_each(keys.reshape(n, layers * heads, dim), -positions).view(n, layers, heads, dim)
-        return keys.contiguous(), values.contiguous()
+        logits = None if logits_from is None else self.lm_head(output.last_hidden_state[0, logits_from:]).float()
+        return keys.contiguous(), values.contiguous(), logits
 
     def make_pair(self, passages_ids: list[list[int]]) -> Pair:
-        stale = [self._derotated_kv(ids, skip=0) for ids in passages_ids]
+        stale = [self.prefill(ids, 0, len(ids))[:2] for ids in passages_ids]
         head = self.layout.head_ids
-        joint_k, joint_v = self._derotated_kv(head + [t for ids in passages_ids for t in ids], skip=len(head))
+        joint = head + [t for ids in passages_ids for t in ids]
+        joint_k, joint_v, _ = self.prefill(joint, len(head), len(joint))
         return Pair(
             stale_k=torch.cat([k for k, _ in stale]), stale_v=torch.cat([v for _, v in stale]),
             target_k=joint_k, target_v=joint_v,

@@ -1,13 +1,20 @@
 """Training and evaluation of a repair network on the pairs of `cache_repair.pairs`.
 
-One step is one group (one request's chunks). The loss is the MSE between the network's
-output and (joint - stale) / delta_sigma in normalised RoPE-free coordinates, over every
-chunk token, layer, head, K and V. The out dir holds a resumable training state
+One step is one group (one request's chunks). The loss is the weighted sum of two terms:
+- residual: the MSE between the network's output and (joint - stale) / delta_sigma in
+  normalised RoPE-free coordinates, over every chunk token, layer, head, K and V;
+- answer (serving-shaped pairs only, which carry a question): the KL between the joint
+  prefill's next-token distribution and the frozen LLM's on the repaired KV, at the last
+  `kl_positions` prompt positions (`cache_repair.answer_loss`), back-propagated through the
+  frozen LLM into the network.
+The out dir holds a resumable training state
 (train_state.pt: network, optimizer, scheduler, step, statistics) written at every
 validation, and at the end the checkpoint that serving loads (`sglang_patches.repair.checkpoint`).
 
 Quality is reported as the per-layer relative KV error ||repaired - joint|| / ||stale - joint||
-over a split: 1.0 is the stale cache, 0.0 a perfect repair.
+over a split (1.0 is the stale cache, 0.0 a perfect repair) and, on serving-shaped pairs, as
+the exact first-token KL (full vocabulary) to the joint prefill and the share of groups whose
+greedy first token is the joint prefill's.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from sglang_patches.repair.checkpoint import save_checkpoint
 from sglang_patches.repair.config import RepairConfig, TrainOptions, read_token_embedding
 from sglang_patches.repair.network import RepairNetwork
 from sglang_patches.repair.normalization import CONTEXT_FREE_RATIO, KVStats, KVStatsAccumulator
+from cache_repair.answer_loss import FrozenReader, answer_kl
 from cache_repair.pairs import Pair, pairs_model, read_manifest, shard_paths
 
 logger = logging.getLogger(__name__)
@@ -64,6 +72,29 @@ def pair_outputs(network: RepairNetwork, stats: KVStats, pair: Pair) -> tuple[to
     return torch.stack(network(stale_k, stale_v, pair.token_ids, pair.chunk_ids)), target
 
 
+def repaired_logits(reader: FrozenReader, stats: KVStats, pair: Pair, prediction: torch.Tensor) -> torch.Tensor:
+    """The frozen LLM's logits over the pair's question on stale + the predicted residual."""
+    if pair.question_ids is None:
+        raise TrainError("these pairs have no questions: make serving-shaped pairs (picrag repair pairs)")
+    if pair.start != reader.head_tokens:
+        raise TrainError(f"the pair's chunks start at {pair.start}, after a head of {reader.head_tokens} tokens")
+    res_k, res_v = stats.denormalise_residual(prediction[0], prediction[1])
+    return reader.question_logits(pair.stale_k + res_k, pair.stale_v + res_v, pair.question_ids)
+
+
+def step_loss(network: RepairNetwork, stats: KVStats, pair: Pair, options: TrainOptions,
+              reader: FrozenReader | None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The weighted training loss of one group and its terms' values."""
+    prediction, target = pair_outputs(network, stats, pair)
+    residual = F.mse_loss(prediction, target)
+    loss, parts = options.residual_weight * residual, {"residual": residual.item()}
+    if reader is not None and options.kl_weight:
+        kl = answer_kl(repaired_logits(reader, stats, pair, prediction), pair.teacher_logits, options.kl_positions)
+        loss = loss + options.kl_weight * kl
+        parts["kl"] = kl.item()
+    return loss, parts
+
+
 @dataclass
 class Evaluation:
     loss: float
@@ -74,6 +105,10 @@ class Evaluation:
     relative_v: list[float | None]
     overall_k: float
     overall_v: float
+    # Serving-shaped pairs: exact first-token KL to the joint prefill, and the share of groups
+    # whose greedy first token matches it; None without a reader or questions.
+    first_token_kl: float | None = None
+    first_token_agreement: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,11 +138,13 @@ class RelativeError:
 
 
 @torch.no_grad()
-def evaluate(network: RepairNetwork, stats: KVStats, paths: list[Path]) -> Evaluation:
+def evaluate(network: RepairNetwork, stats: KVStats, paths: list[Path], reader: FrozenReader | None = None
+             ) -> Evaluation:
     was_training = network.training
     network.eval()
     errors = RelativeError(network.config.num_layers)
     loss_sum, elements, tokens = 0.0, 0, 0
+    kls, agreements = [], []
     for path in paths:
         pair = Pair.load(path)
         prediction, target = pair_outputs(network, stats, pair)
@@ -115,9 +152,26 @@ def evaluate(network: RepairNetwork, stats: KVStats, paths: list[Path]) -> Evalu
         elements += target.numel()
         tokens += pair.tokens
         errors.add(pair, *stats.denormalise_residual(prediction[0], prediction[1]))
+        if reader is not None and pair.question_ids is not None:
+            logits = repaired_logits(reader, stats, pair, prediction)
+            kls.append(float(answer_kl(logits, pair.teacher_logits, 1)))
+            agreements.append(int(logits[-1].argmax()) == int(pair.teacher_logits[-1].argmax()))
     network.train(was_training)
     rel_k, rel_v, overall_k, overall_v = errors.ratios()
-    return Evaluation(loss_sum / elements, tokens, len(paths), rel_k, rel_v, overall_k, overall_v)
+    answers = (sum(kls) / len(kls), sum(agreements) / len(agreements)) if kls else (None, None)
+    return Evaluation(loss_sum / elements, tokens, len(paths), rel_k, rel_v, overall_k, overall_v, *answers)
+
+
+def answer_reader(pairs_dir: Path, model_dir: Path) -> FrozenReader | None:
+    """The frozen LLM behind the pairs' serving head, for pairs that carry questions."""
+    manifest = read_manifest(pairs_dir)
+    return FrozenReader(model_dir, manifest["head_ids"]) if "head_ids" in manifest else None
+
+
+def _answer_text(result: Evaluation) -> str:
+    if result.first_token_kl is None:
+        return ""
+    return f", first-token KL {result.first_token_kl:.4f}, greedy agreement {result.first_token_agreement:.0%}"
 
 
 @dataclass
@@ -153,28 +207,32 @@ class Trainer:
         logger.info("repair network: %d trainable parameters, %d train / %d val groups",
                     network.trainable_parameters(), len(train_paths), len(val_paths))
 
+        reader = answer_reader(self.pairs_dir, model_dir)
+        if reader is None and self.options.kl_weight:
+            logger.warning("%s has no questions: training on the residual term alone", self.pairs_dir)
         network.train()
-        running, final = None, None
+        running: dict[str, float] = {}
+        final = None
         with tqdm(range(start, self.options.steps), desc="picrag repair train", unit="step",
                   initial=start, total=self.options.steps) as bar:
             for step in bar:
                 pair = Pair.load(self._shard_at(step, train_paths))
-                prediction, target = pair_outputs(network, stats, pair)
-                loss = F.mse_loss(prediction, target)
+                loss, parts = step_loss(network, stats, pair, self.options, reader)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(network.parameters(), 1.0)
                 optimizer.step()
                 scheduler.step()
-                value = loss.item()
-                running = value if running is None else 0.95 * running + 0.05 * value
-                bar.set_postfix(loss=f"{running:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
+                for name, value in {"loss": loss.item(), **parts}.items():
+                    running[name] = value if name not in running else 0.95 * running[name] + 0.05 * value
+                bar.set_postfix({**{k: f"{v:.4f}" for k, v in running.items()},
+                                 "lr": f"{scheduler.get_last_lr()[0]:.2e}"})
                 done = step + 1
                 if done % self.options.val_every == 0 or done == self.options.steps:
-                    final = self._validate(network, stats, val_paths, done, running)
+                    final = self._validate(network, stats, val_paths, done, running, reader)
                     self._save_state(state_path, network, optimizer, scheduler, stats, done)
 
-        final = final or evaluate(network, stats, val_paths)
+        final = final or evaluate(network, stats, val_paths, reader)
         summary = {
             "steps": self.options.steps, "options": asdict(self.options), "pairs": str(self.pairs_dir),
             "train_groups": len(train_paths), "val_groups": len(val_paths),
@@ -183,8 +241,8 @@ class Trainer:
             "trainable_parameters": network.trainable_parameters(),
         }
         save_checkpoint(self.out, network, config, stats, fingerprint, summary)
-        logger.info("checkpoint written to %s (val loss %.4f, relative error K %.3f V %.3f)",
-                    self.out, final.loss, final.overall_k, final.overall_v)
+        logger.info("checkpoint written to %s (val loss %.4f, relative error K %.3f V %.3f%s)",
+                    self.out, final.loss, final.overall_k, final.overall_v, _answer_text(final))
         return final
 
     def _shard_at(self, step: int, paths: list[Path]) -> Path:
@@ -195,15 +253,18 @@ class Trainer:
         return paths[order[index]]
 
     def _validate(self, network: RepairNetwork, stats: KVStats, val_paths: list[Path], step: int,
-                  train_loss: float | None) -> Evaluation:
-        result = evaluate(network, stats, val_paths)
-        entry = {"step": step, "train_loss": train_loss, "val_loss": result.loss,
-                 "val_relative_k": result.overall_k, "val_relative_v": result.overall_v}
+                  running: dict[str, float], reader: FrozenReader | None) -> Evaluation:
+        result = evaluate(network, stats, val_paths, reader)
+        entry = {"step": step, "train_loss": running.get("loss"), "train_residual": running.get("residual"),
+                 "train_kl": running.get("kl"), "val_loss": result.loss, "val_relative_k": result.overall_k,
+                 "val_relative_v": result.overall_v, "val_first_token_kl": result.first_token_kl,
+                 "val_first_token_agreement": result.first_token_agreement}
         self.history.append(entry)
         with (self.out / LOG_FILE).open("a") as f:
             f.write(json.dumps(entry) + "\n")
-        logger.info("step %d: train loss %.4f, val loss %.4f, relative error K %.3f V %.3f",
-                    step, train_loss or float("nan"), result.loss, result.overall_k, result.overall_v)
+        logger.info("step %d: train loss %.4f, val loss %.4f, relative error K %.3f V %.3f%s", step,
+                    running.get("loss", float("nan")), result.loss, result.overall_k, result.overall_v,
+                    _answer_text(result))
         return result
 
     def _load_state(self, path: Path, resume: bool) -> dict[str, Any] | None:

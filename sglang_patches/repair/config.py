@@ -82,6 +82,11 @@ class TrainOptions:
     warmup: int = 100
     val_every: int = 250
     seed: int = 0
+    # Loss weights: the KV residual MSE and the answer KL (pairs with questions only), the
+    # latter's mean taken over the last kl_positions prompt positions (0: all question tokens).
+    residual_weight: float = 1.0
+    kl_weight: float = 1.0
+    kl_positions: int = 1
 
 
 def read_hf_config(model_dir: Path) -> dict[str, Any]:

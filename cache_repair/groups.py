@@ -1,0 +1,140 @@
+"""Serving-shaped training groups: which passages, in which order, cut to which length.
+
+A group is one request as the server would build it: `[head][passage 1]...[passage k][question
++ tail]` with k drawn from [min_passages, max_passages]. Every group is built around one NQ row
+whose gold passage is in the group at a random place, so the question is a real one the
+passages can answer; the other passages are gold passages of other rows, acting as the
+distractors retrieval returns. Each passage has one fixed length cap for the whole plan (a
+chunk's tokens, and so its stale KV, are the same in every request that uses it, as in the
+chunk store); about half of them are cut shorter than the chunker's limit, so chunk lengths
+vary the way retrieved chunks do. Passages recur in about `reuse` groups, in different company
+and at different offsets, which is also how the chunk store sees them.
+
+Validation groups use their own rows and passages, never seen in training. The plan is plain
+data (row indices and caps), seeded, and written to the pairs manifest before any prefill.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from retrieval.prompt_layout import PromptPassage
+
+SPLITS = ("train", "val")
+
+
+class GroupsError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class QARow:
+    question: str
+    answers: tuple[str, ...]
+    passage: PromptPassage
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    min_passages: int = 8
+    max_passages: int = 20
+    max_tokens: int = 192  # the chunker's default limit (retrieval.chunking)
+    min_tokens: int = 32
+    cut_share: float = 0.5  # passages cut to a random length in [min_tokens, max_tokens]
+    reuse: int = 3  # groups each passage appears in, on average
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_passages <= self.max_passages:
+            raise GroupsError(f"passages per group: need 1 <= {self.min_passages} <= {self.max_passages}")
+        if not 1 <= self.min_tokens <= self.max_tokens:
+            raise GroupsError(f"passage tokens: need 1 <= {self.min_tokens} <= {self.max_tokens}")
+        if self.reuse < 1:
+            raise GroupsError(f"reuse must be at least 1, not {self.reuse}")
+
+
+@dataclass(frozen=True)
+class Group:
+    question: int  # row index: the question and its gold passage
+    passages: tuple[int, ...]  # row indices of the passages in prompt order (the gold one among them)
+
+
+@dataclass
+class GroupPlan:
+    caps: dict[int, int]  # row index -> the passage's token cap
+    groups: dict[str, list[Group]]
+
+    def rows(self, split: str) -> set[int]:
+        return {row for group in self.groups[split] for row in group.passages}
+
+    def to_dict(self) -> dict:
+        return {"caps": {str(row): cap for row, cap in sorted(self.caps.items())},
+                "groups": {split: [{"question": g.question, "passages": list(g.passages)} for g in groups]
+                           for split, groups in self.groups.items()}}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> GroupPlan:
+        return cls({int(row): int(cap) for row, cap in data["caps"].items()},
+                   {split: [Group(g["question"], tuple(g["passages"])) for g in groups]
+                    for split, groups in data["groups"].items()})
+
+
+def read_qa_rows(path: Path) -> list[QARow]:
+    """One row per distinct gold passage of a shared-QA file with one passage per question
+    (NQ-open oracle): a second question on the same passage would put it twice in a group."""
+    if ".dev." in Path(path).name:
+        raise GroupsError(f"{path} is an evaluation split: train the repairer on training passages only")
+    rows: dict[PromptPassage, QARow] = {}
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if len(record["passages"]) != 1:
+                raise GroupsError(f"{path}: expected one gold passage per question, got {len(record['passages'])}")
+            p = record["passages"][0]
+            passage = PromptPassage(p.get("title", ""), p["text"])
+            rows.setdefault(passage, QARow(record["question"], tuple(record["answers"]), passage))
+    return list(rows.values())
+
+
+def plan_groups(rows: int, groups: int, val_groups: int, shape: GroupShape, seed: int) -> GroupPlan:
+    rng = random.Random(seed)
+    order = list(range(rows))
+    rng.shuffle(order)
+    mean = (shape.min_passages + shape.max_passages) / 2
+    # A pool holds every group's distinct passages and one question per group.
+    sizes = {split: max(-(-int(count * mean) // shape.reuse), shape.max_passages, count)
+             for split, count in (("val", val_groups), ("train", groups))}
+    if sizes["val"] + sizes["train"] > rows:
+        raise GroupsError(f"{rows} distinct passages are too few for {groups} + {val_groups} groups of "
+                          f"{shape.min_passages}-{shape.max_passages} passages each used about {shape.reuse} "
+                          "times: use fewer groups or a larger --passage-reuse")
+    pools = {"val": order[: sizes["val"]], "train": order[sizes["val"] : sizes["val"] + sizes["train"]]}
+
+    caps: dict[int, int] = {}
+    plan: dict[str, list[Group]] = {}
+    for split, count in (("val", val_groups), ("train", groups)):
+        pool = pools[split]
+        questions = rng.sample(pool, count)  # one question per group, each once
+        for row in pool:
+            cut = row not in questions and rng.random() < shape.cut_share
+            caps[row] = rng.randint(shape.min_tokens, shape.max_tokens) if cut else shape.max_tokens
+        queue: list[int] = []
+        plan[split] = []
+        for question in questions:
+            # Distractors are used once each before any repeats; the queue is refilled shuffled.
+            size = rng.randint(shape.min_passages, shape.max_passages)
+            others: list[int] = []
+            while len(others) < size - 1:
+                if not queue:
+                    queue = rng.sample(pool, len(pool))
+                row = queue.pop()
+                if row != question and row not in others:
+                    others.append(row)
+            passages = [question, *others]
+            rng.shuffle(passages)
+            plan[split].append(Group(question, tuple(passages)))
+    return GroupPlan(caps, {split: plan[split] for split in SPLITS})

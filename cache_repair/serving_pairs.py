@@ -1,0 +1,167 @@
+"""Serving-shaped training pairs: groups of `cache_repair.groups`, prefilled with the real LLM.
+
+Per group, the prompt is exactly what the server sends for the group's question and passages
+(`retrieval.prompt_layout.PromptLayout` with the served model's tokenizer and the server's
+default system prompt): `[head][passage 1]...[passage k][question + tail]`.
+
+- stale: each passage prefilled alone at positions 0..n-1, once per passage for the whole plan
+  (`chunks/<row>.safetensors`: stale_k, stale_v fp16, token_ids), as the chunk store holds it;
+- target: the joint prefill of the whole prompt; its chunk tokens' K/V (fp16) and its logits
+  at every question position (fp32, full vocabulary) go into the group's shard
+  (`<split>/<index>.safetensors`, the `cache_repair.pairs.Pair` format).
+
+K is rotated back to RoPE-free coordinates by each token's own position, as in every pair.
+The plan is fixed in manifest.json before the first prefill; a rerun with the same options
+skips every chunk and shard already written, so an interrupted run resumes where it stopped.
+Disk use is estimated from the plan before any prefill and refused above `max_disk_gb`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from cache_repair.groups import SPLITS, GroupPlan, GroupShape, QARow, plan_groups, read_qa_rows
+from cache_repair.pairs import (
+    DEFAULT_DATA,
+    MANIFEST_FILE,
+    PairMaker,
+    PairsError,
+    chunk_name,
+    read_manifest,
+    save_shard,
+    shard_name,
+)
+from sglang_patches.model_fingerprint import model_fingerprint
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 2
+LAYOUT = "serving"
+_FP16, _FP32, _INT64 = 2, 4, 8
+
+
+def shard_bytes(tokens: int, question_tokens: int, values_per_token: int, vocab: int) -> int:
+    """Tensor bytes of one group's shard: target K and V (fp16), token and chunk ids, the
+    question's ids and logits (fp32)."""
+    return tokens * (2 * values_per_token * _FP16 + 2 * _INT64) + question_tokens * (vocab * _FP32 + _INT64)
+
+
+def chunk_bytes(tokens: int, values_per_token: int) -> int:
+    """Tensor bytes of one passage's stale K and V (fp16) and token ids."""
+    return tokens * (2 * values_per_token * _FP16 + _INT64)
+
+
+class ServingPairs:
+    """The token ids of a plan, and the prefills that turn them into chunk files and shards."""
+
+    def __init__(self, maker: PairMaker, rows: list[QARow], plan: GroupPlan):
+        self.maker, self.rows, self.plan = maker, rows, plan
+        self.chunk_ids = {row: maker.passage_ids(rows[row].passage, cap) for row, cap in plan.caps.items()}
+
+    def question_ids(self, row: int) -> list[int]:
+        return self.maker.layout.question_ids(self.rows[row].question)
+
+    def disk_bytes(self) -> tuple[int, dict[str, list[int]]]:
+        """(bytes of every chunk file, bytes of every shard per split)."""
+        config, vocab = self.maker.config, self.maker.lm_head.out_features
+        values = config.num_layers * config.num_kv_heads * config.head_dim
+        chunks = sum(chunk_bytes(len(ids), values) for ids in self.chunk_ids.values())
+        shards = {split: [shard_bytes(sum(len(self.chunk_ids[r]) for r in g.passages),
+                                      len(self.question_ids(g.question)), values, vocab)
+                          for g in self.plan.groups[split]] for split in SPLITS}
+        return chunks, shards
+
+    def write_chunk(self, out: Path, row: int) -> None:
+        ids = self.chunk_ids[row]
+        keys, values, _ = self.maker.prefill(ids, 0, len(ids))
+        save_shard(out / chunk_name(row), {"stale_k": keys, "stale_v": values},
+                   {"token_ids": torch.tensor(ids, dtype=torch.int64)}, {"row": str(row)})
+
+    def write_group(self, out: Path, split: str, index: int, fingerprint: str) -> int:
+        """Prefill the group's whole prompt; returns its chunk tokens."""
+        group = self.plan.groups[split][index]
+        head, chunks, question = self.maker.layout.head_ids, [self.chunk_ids[r] for r in group.passages], \
+            self.question_ids(group.question)
+        flat = [t for ids in chunks for t in ids]
+        start, end = len(head), len(head) + len(flat)
+        keys, values, logits = self.maker.prefill(head + flat + question, start, end, logits_from=end)
+        exact = {
+            "token_ids": torch.tensor(flat, dtype=torch.int64),
+            "chunk_ids": torch.cat([torch.full((len(ids),), i, dtype=torch.int64) for i, ids in enumerate(chunks)]),
+            "question_ids": torch.tensor(question, dtype=torch.int64),
+            "teacher_logits": logits,
+        }
+        metadata = {"split": split, "group": str(index), "chunks": json.dumps(list(group.passages)),
+                    "question_row": str(group.question), "start": str(start), "model_fingerprint": fingerprint}
+        save_shard(out / shard_name(split, index), {"target_k": keys, "target_v": values}, exact, metadata)
+        return len(flat)
+
+
+def generate_serving_pairs(
+    out: Path, model_dir: Path, groups: int, val_groups: int, seed: int, shape: GroupShape,
+    max_disk_gb: float, data: Path = DEFAULT_DATA, maker: PairMaker | None = None,
+) -> dict[str, Any]:
+    """Write (or finish writing) the pairs of a plan into `out`; returns the manifest.
+    `maker`: an already loaded PairMaker for `model_dir` (one is loaded otherwise)."""
+    out = Path(out)
+    rows = read_qa_rows(data)
+    plan = plan_groups(len(rows), groups, val_groups, shape, seed)
+    fingerprint = model_fingerprint(model_dir, torch.float32)
+    # The data file by name: the same run resumed from another checkout must match. "groups"
+    # holds one entry per group and split, as in every pairs manifest (`shard_paths`).
+    settings = {"format": FORMAT, "layout": LAYOUT, "model_fingerprint": fingerprint, "data": Path(data).name,
+                "seed": seed, "shape": asdict(shape), **plan.to_dict()}
+    manifest_path = out / MANIFEST_FILE
+    if manifest_path.is_file():
+        existing = read_manifest(out)
+        changed = [k for k, v in settings.items() if existing.get(k) != v]
+        if changed:
+            raise PairsError(f"{out} holds pairs made with other settings ({', '.join(changed)}); "
+                             "use another --out or the same options")
+
+    maker = maker or PairMaker(model_dir)
+    pairs = ServingPairs(maker, rows, plan)
+    chunk_total, shard_sizes = pairs.disk_bytes()
+    total = chunk_total + sum(sum(sizes) for sizes in shard_sizes.values())
+    per_group = total / (groups + val_groups)
+    logger.info("pairs: %d train + %d val groups of %d-%d passages, %d distinct passages: %.1f MB per group, "
+                "%.2f GB in all (%.2f GB of passage KV)", groups, val_groups, shape.min_passages,
+                shape.max_passages, len(plan.caps), per_group / 1e6, total / 1e9, chunk_total / 1e9)
+    if total > max_disk_gb * 1e9:
+        raise PairsError(f"these pairs need {total / 1e9:.1f} GB, above --max-disk-gb {max_disk_gb:g}: "
+                         "use fewer --groups or shorter passages")
+    out.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out).free
+    if total > 0.95 * free:
+        raise PairsError(f"these pairs need {total / 1e9:.1f} GB but {out} has {free / 1e9:.1f} GB free")
+
+    manifest = {**settings, "model_dir": str(Path(model_dir).resolve()), "repair_config": maker.config.to_dict(),
+                "head_tokens": len(maker.layout.head_ids), "head_ids": maker.layout.head_ids, "disk_bytes": total}
+    for folder in (*SPLITS, "chunks"):
+        (out / folder).mkdir(exist_ok=True)
+    manifest_path.write_text(json.dumps(manifest) + "\n")
+
+    # Validation first: a partial run can already be evaluated against.
+    todo = [(split, i) for split in ("val", "train") for i in range(len(plan.groups[split]))
+            if not (out / shard_name(split, i)).is_file()]
+    logger.info("pairs: %d of %d groups to compute into %s", len(todo), groups + val_groups, out)
+    started = time.monotonic()
+    with tqdm(todo, desc="picrag repair pairs", unit="group") as bar:
+        for split, i in bar:
+            for row in plan.groups[split][i].passages:
+                if not (out / chunk_name(row)).is_file():
+                    pairs.write_chunk(out, row)
+            tokens = pairs.write_group(out, split, i, fingerprint)
+            bar.set_postfix(split=split, tokens=tokens)
+    logger.info("pairs: %s complete (%d train, %d val groups) in %.0f s", out, groups, val_groups,
+                time.monotonic() - started)
+    return manifest
