@@ -12,6 +12,7 @@ round trips included.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -19,8 +20,9 @@ import os
 import platform
 import random
 import subprocess
+import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -39,6 +41,28 @@ logger = logging.getLogger(__name__)
 
 class BenchError(RuntimeError):
     pass
+
+
+Handler = Callable[[Any], int]
+
+
+def reporting_errors(command: str) -> Callable[[Handler], Handler]:
+    """A `picrag bench <command>` handler whose BenchError is one line on stderr and exit status 1."""
+    def wrap(handler: Handler) -> Handler:
+        @functools.wraps(handler)
+        def run(args: Any) -> int:
+            try:
+                return handler(args)
+            except BenchError as exc:
+                print(f"picrag bench {command}: error: {exc}", file=sys.stderr)
+                return 1
+        return run
+    return wrap
+
+
+def command_line() -> str:
+    """The command as typed, kept in each report so that its table can be made again."""
+    return " ".join(["picrag", *sys.argv[1:]])
 
 
 def add_server_arguments(parser, default_port: int) -> None:
@@ -78,12 +102,24 @@ def parse_policies(text: str) -> list[PolicyChoice]:
     return choices
 
 
+def unavailable_entries(choices: Iterable[PolicyChoice]) -> list[dict[str, str]]:
+    """The report's `unavailable` list: each policy that cannot run, with why."""
+    return [{"policy": c.name, "reason": c.reason} for c in choices if not c.available]
+
+
 @dataclass(frozen=True)
 class QARow:
     id: str
     question: str
     answers: list[str]
     passages: list[PromptPassage]
+
+
+def add_dataset_arguments(parser) -> None:
+    """The questions a bench command reads (`read_rows`)."""
+    parser.add_argument("--dataset", type=Path, required=True, metavar="FILE.jsonl",
+                        help="rows {id, question, answers, passages: [{title, text}]}")
+    parser.add_argument("--max-passages", type=int, default=None, help="first N passages of each question")
 
 
 def read_rows(path: Path, limit: int | None, max_passages: int | None) -> list[QARow]:
@@ -242,6 +278,25 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     rank = (len(ordered) - 1) * q / 100
     low, high = math.floor(rank), math.ceil(rank)
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def fmt(value: Any, digits: int = 2) -> str:
+    """A table cell: floats to `digits` decimals, None as n/a."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def render_table(columns: Sequence[str], rows: Iterable[Sequence[str]], unavailable: Sequence[dict[str, str]]) -> str:
+    """A Markdown table whose first column is the policy; a policy that could not run gets one
+    row saying why."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines += [f"| {entry['policy']} | unavailable: {entry['reason']} |" + " |" * (len(columns) - 2)
+              for entry in unavailable]
+    return "\n".join(lines) + "\n"
 
 
 def machine_description() -> dict[str, Any]:

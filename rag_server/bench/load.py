@@ -31,8 +31,11 @@ import httpx
 from rag_server.bench.common import (
     BenchError,
     Measured,
+    add_dataset_arguments,
     add_server_arguments,
     chunk_counters,
+    command_line,
+    fmt,
     load_layout,
     machine_description,
     measure,
@@ -40,8 +43,11 @@ from rag_server.bench.common import (
     parse_policies,
     percentile,
     read_rows,
+    render_table,
+    reporting_errors,
     server,
     shuffled,
+    unavailable_entries,
 )
 from retrieval.prompt_layout import CompiledPrompt
 
@@ -138,31 +144,21 @@ def run_cell(url: str, prompts: list[CompiledPrompt], policy: str, concurrency: 
     )
 
 
-def markdown_table(cells: list[Cell], unavailable: list[dict[str, str]]) -> str:
-    def fmt(value: float | None, digits: int = 2) -> str:
-        return "n/a" if value is None else f"{value:.{digits}f}"
+TABLE_COLUMNS = ("policy", "concurrency", "requests", "req/s", "output tok/s", "prompt tok/s", "TTFT p50 (s)",
+                 "TTFT p99 (s)", "reused token share", "store hit rate", "link hit rate")
 
-    lines = [
-        ("| policy | concurrency | requests | req/s | output tok/s | prompt tok/s | TTFT p50 (s) | TTFT p99 (s) | "
-         "reused token share | store hit rate | link hit rate |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for c in cells:
-        lines.append(
-            f"| {c.policy} | {c.concurrency} | {c.requests} | {fmt(c.requests_per_s, 3)} | "
-            f"{fmt(c.output_tokens_per_s)} | {fmt(c.prompt_tokens_per_s, 0)} | {fmt(c.ttft_p50_s)} | "
-            f"{fmt(c.ttft_p99_s)} | {fmt(c.reused_token_fraction)} | {fmt(c.store_hit_rate)} | "
-            f"{fmt(c.link_hit_rate)} |"
-        )
-    for entry in unavailable:
-        lines.append(f"| {entry['policy']} | unavailable: {entry['reason']} |" + " |" * 9)
-    return "\n".join(lines) + "\n"
+
+def markdown_table(cells: list[Cell], unavailable: list[dict[str, str]]) -> str:
+    rows = [(c.policy, str(c.concurrency), str(c.requests), fmt(c.requests_per_s, 3), fmt(c.output_tokens_per_s),
+             fmt(c.prompt_tokens_per_s, 0), fmt(c.ttft_p50_s), fmt(c.ttft_p99_s), fmt(c.reused_token_fraction),
+             fmt(c.store_hit_rate), fmt(c.link_hit_rate)) for c in cells]
+    return render_table(TABLE_COLUMNS, rows, unavailable)
 
 
 def run_load(options: LoadOptions, progress: bool = True) -> dict[str, Any]:
     choices = parse_policies(options.policies)
     runnable = [c.name for c in choices if c.available]
-    unavailable = [{"policy": c.name, "reason": c.reason} for c in choices if not c.available]
+    unavailable = unavailable_entries(choices)
     options.out.mkdir(parents=True, exist_ok=True)
     cells: list[Cell] = []
     with server(options.url, options.model, options.port, options.out / "server.log") as url:
@@ -214,12 +210,11 @@ def register(commands) -> None:
         description="Closed-loop load from dev questions whose passages repeat across requests; "
         "one table over policies x concurrency in one run (load.json, load.md in --out).",
     )
-    load.add_argument("--dataset", type=Path, required=True, metavar="FILE.jsonl")
+    add_dataset_arguments(load)
     load.add_argument("--policies", default="prefix,naive")
     load.add_argument("--concurrency", type=_concurrency_list, default=(1, 4, 16), metavar="N,N,...")
     load.add_argument("--requests", type=int, default=32, help="requests per cell (default 32)")
     load.add_argument("--pool", type=int, default=8, help="distinct questions requests are drawn from")
-    load.add_argument("--max-passages", type=int, default=None, help="first N passages of each question")
     load.add_argument("--max-tokens", type=int, default=16, help="new tokens per request (default 16)")
     load.add_argument("--keep-order", action="store_true", help="do not shuffle passages per request")
     load.add_argument("--seed", type=int, default=0)
@@ -227,18 +222,15 @@ def register(commands) -> None:
     load.set_defaults(func=_main)
 
 
+@reporting_errors("load")
 def _main(args) -> int:
     options = LoadOptions(
         dataset=args.dataset, policies=args.policies, concurrency=args.concurrency, requests=args.requests,
         out=args.out, pool=args.pool, max_passages=args.max_passages, max_tokens=args.max_tokens,
         keep_order=args.keep_order, seed=args.seed, url=args.url, model=args.model, port=args.port,
-        command=" ".join(["picrag", *sys.argv[1:]]),
+        command=command_line(),
     )
-    try:
-        report = run_load(options)
-    except BenchError as exc:
-        print(f"picrag bench load: error: {exc}", file=sys.stderr)
-        return 1
+    report = run_load(options)
     print((options.out / "load.md").read_text())
     print(f"-> {options.out}/load.json, load.md")
     return 0 if report["cells"] else 1

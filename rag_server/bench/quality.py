@@ -3,7 +3,7 @@
 Per question, `full` runs first (the reference), then every other available policy on the very
 same token ids. Right before a chunk policy is measured, the pieces it links (head and passages,
 as the frontend compiles them for that policy) are compiled into the chunk store
-(`picrag.compile`, bench_common.warm_chunks), so chunk policies link warm chunks; the
+(`picrag.compile`, common.warm_chunks), so chunk policies link warm chunks; the
 measured prompt itself is never sent before, so SGLang's prefix matching cannot answer it from
 an exact repeat. `prefix` reuses whatever its own radix tree holds (the head, from the previous
 question, and any common passage prefix).
@@ -33,7 +33,10 @@ from rag_server.bench.common import (
     Measured,
     PolicyChoice,
     QARow,
+    add_dataset_arguments,
     add_server_arguments,
+    command_line,
+    fmt,
     load_layout,
     machine_description,
     measure,
@@ -41,7 +44,10 @@ from rag_server.bench.common import (
     parse_policies,
     percentile,
     read_rows,
+    render_table,
+    reporting_errors,
     server,
+    unavailable_entries,
     warm_chunks,
 )
 from rag_server.bench.scoring import score_answer
@@ -144,30 +150,16 @@ def summarise(results: list[QuestionResult], policies: list[str]) -> dict[str, d
     return summary
 
 
-def _fmt(value: Any, digits: int = 2) -> str:
-    if value is None:
-        return "n/a"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
+TABLE_COLUMNS = ("policy", "F1", "EM", "agree w/ full %", "1st-token KL", "TTFT p50 (s)", "TTFT p90 (s)",
+                 "speed-up", "computed tok", "reused tok", "chunk hit rate")
 
 
 def markdown_table(summary: dict[str, dict[str, Any]], unavailable: list[dict[str, str]]) -> str:
-    lines = [
-        ("| policy | F1 | EM | agree w/ full % | 1st-token KL | TTFT p50 (s) | TTFT p90 (s) | speed-up | "
-         "computed tok | reused tok | chunk hit rate |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for policy, s in summary.items():
-        lines.append(
-            f"| {policy} | {_fmt(s['f1'], 1)} | {_fmt(s['em'], 1)} | {_fmt(s['agreement_with_full'], 0)} | "
-            f"{_fmt(s['first_token_kl_mean'], 3)} | {_fmt(s['ttft_p50_s'])} | {_fmt(s['ttft_p90_s'])} | "
-            f"{_fmt(s['ttft_speedup_vs_full'], 1)}x | {_fmt(s['computed_tokens_mean'], 0)} | "
-            f"{_fmt(s['reused_tokens_mean'], 0)} | {_fmt(s['chunk_hit_rate'])} |"
-        )
-    for entry in unavailable:
-        lines.append(f"| {entry['policy']} | unavailable: {entry['reason']} |" + " |" * 9)
-    return "\n".join(lines) + "\n"
+    rows = [(policy, fmt(s["f1"], 1), fmt(s["em"], 1), fmt(s["agreement_with_full"], 0),
+             fmt(s["first_token_kl_mean"], 3), fmt(s["ttft_p50_s"]), fmt(s["ttft_p90_s"]),
+             f"{fmt(s['ttft_speedup_vs_full'], 1)}x", fmt(s["computed_tokens_mean"], 0),
+             fmt(s["reused_tokens_mean"], 0), fmt(s["chunk_hit_rate"])) for policy, s in summary.items()]
+    return render_table(TABLE_COLUMNS, rows, unavailable)
 
 
 def pareto_plot(summary: dict[str, dict[str, Any]], path: Path, title: str) -> None:
@@ -201,7 +193,7 @@ def run_quality(options: QualityOptions, progress: bool = True) -> dict[str, Any
         # Agreement, KL and speed-up are measured against full: it always runs.
         choices.insert(0, PolicyChoice(REFERENCE))
     runnable = [REFERENCE] + [c.name for c in choices if c.available and c.name != REFERENCE]
-    unavailable = [{"policy": c.name, "reason": c.reason} for c in choices if not c.available]
+    unavailable = unavailable_entries(choices)
     rows = read_rows(options.dataset, options.limit, options.max_passages)
     options.out.mkdir(parents=True, exist_ok=True)
 
@@ -267,29 +259,24 @@ def register(commands) -> None:
         description="Run every policy on the same questions (warm chunk cache) and write "
         "results.json, results.md and pareto.png to --out.",
     )
-    quality.add_argument("--dataset", type=Path, required=True, metavar="FILE.jsonl",
-                         help="rows {id, question, answers, passages: [{title, text}]}")
+    add_dataset_arguments(quality)
     quality.add_argument("--policies", default="full,prefix,naive",
                          help="comma-separated; unknown ones, and ones the server refuses, are reported as unavailable")
     quality.add_argument("--limit", type=int, default=10, help="first N questions (default 10)")
-    quality.add_argument("--max-passages", type=int, default=None, help="first N passages of each question")
     quality.add_argument("--max-tokens", type=int, default=32, help="new tokens per answer (default 32)")
     quality.add_argument("--top-logprobs", type=int, default=20, help="k of the first-token KL (default 20)")
     add_server_arguments(quality, default_port=8031)
     quality.set_defaults(func=_main)
 
 
+@reporting_errors("quality")
 def _main(args) -> int:
     options = QualityOptions(
         dataset=args.dataset, policies=args.policies, out=args.out, limit=args.limit,
         max_passages=args.max_passages, max_tokens=args.max_tokens, top_logprobs=args.top_logprobs,
-        url=args.url, model=args.model, port=args.port, command=" ".join(["picrag", *sys.argv[1:]]),
+        url=args.url, model=args.model, port=args.port, command=command_line(),
     )
-    try:
-        report = run_quality(options)
-    except BenchError as exc:
-        print(f"picrag bench quality: error: {exc}", file=sys.stderr)
-        return 1
+    report = run_quality(options)
     print((options.out / "results.md").read_text())
     print(f"-> {options.out}/results.json, results.md, pareto.png")
     return 0 if report["policies"] else 1
