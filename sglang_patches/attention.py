@@ -46,10 +46,24 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
     return key, value
 
 
-def gather_row(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype):
-    """A request's K and V as [heads, tokens, dim], the layout SDPA takes."""
-    key, value = gather_kv(k_cache, v_cache, slots, dtype)
-    return key.movedim(0, 1), value.movedim(0, 1)
+def attend_row(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    scale: Optional[float],
+    enable_gqa: bool,
+    mask: Optional[torch.Tensor] = None,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """One request's queries ([heads, queries, dim]) attending to its row, the K/V at `slots`;
+    the output is [queries, heads, dim], the layout of the backend's output rows."""
+    key, value = gather_kv(k_cache, v_cache, slots, query.dtype)
+    out = scaled_dot_product_attention(
+        query.unsqueeze(0), key.movedim(0, 1).unsqueeze(0), value.movedim(0, 1).unsqueeze(0),
+        attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+    )
+    return out.squeeze(0).movedim(0, 1)
 
 
 class QueryOnlyTorchNativeBackend(TorchNativeAttnBackend):
@@ -94,8 +108,6 @@ class QueryOnlyTorchNativeBackend(TorchNativeAttnBackend):
             kv_len = int(seq_lens[seq_idx])
             end_q = start_q + q_len
             slots = req_to_token[req_pool_indices[seq_idx], :kv_len]
-            per_req_query = query[:, start_q:end_q, :]
-            key, value = gather_row(k_cache, v_cache, slots, per_req_query.dtype)
             mask = position_mask(
                 q_len, kv_len, self._true_positions.get(seq_idx), self._query_positions.get(seq_idx), query.device
             )
@@ -106,14 +118,11 @@ class QueryOnlyTorchNativeBackend(TorchNativeAttnBackend):
             else:
                 mask = offset_causal_mask(q_len, kv_len, query.device, sliding_window_size)
                 is_causal = False
-            out = scaled_dot_product_attention(
-                per_req_query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0),
-                attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=enable_gqa,
+            output[start_q:end_q] = attend_row(
+                query[:, start_q:end_q, :], k_cache, v_cache, slots, scaling, enable_gqa, mask, is_causal
             )
-            output[start_q:end_q] = out.squeeze(0).movedim(0, 1)
             start_q = end_q
         return output
-
 
     def _run_sdpa_forward_decode(
         self,
@@ -139,13 +148,9 @@ class QueryOnlyTorchNativeBackend(TorchNativeAttnBackend):
         query = query.movedim(0, 1)
         for seq_idx in range(seq_lens.shape[0]):
             slots = req_to_token[req_pool_indices[seq_idx], : int(seq_lens[seq_idx])]
-            per_req_query = query[:, seq_idx : seq_idx + 1, :]
-            key, value = gather_row(k_cache, v_cache, slots, per_req_query.dtype)
-            out = scaled_dot_product_attention(
-                per_req_query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0),
-                scale=scaling, enable_gqa=enable_gqa,
+            output[seq_idx : seq_idx + 1] = attend_row(
+                query[:, seq_idx : seq_idx + 1, :], k_cache, v_cache, slots, scaling, enable_gqa
             )
-            output[seq_idx : seq_idx + 1] = out.squeeze(0).movedim(0, 1)
         return output
 
 
