@@ -13,11 +13,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+from jinja2 import TemplateError
+
 DEFAULT_SYSTEM_PROMPT = (
     "You answer questions using the documents provided. "
     "Answer with at most 5 words, no explanation."
 )
 _PLACEHOLDER = "\x00PICRAG_USER_MESSAGE\x00"
+
+
+class PromptLayoutError(ValueError):
+    """A chat template that cannot frame these messages."""
+
+
+def _placeholder(messages: Sequence[dict]) -> str:
+    """A stand-in for the user message that no other message contains (any text may arrive)."""
+    texts = [str(message.get("content", "")) for message in messages]
+    placeholder = _PLACEHOLDER
+    while any(placeholder in text for text in texts):
+        placeholder += "\x00"
+    return placeholder
 
 
 class Tokenizer(Protocol):
@@ -58,12 +73,17 @@ class PromptLayout:
         """`history`: earlier chat turns ({"role", "content"}), rendered into the head between
         the system prompt and the final user turn that holds the documents and question."""
         self.tokenizer = tokenizer
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "system", "content": system_prompt}, *history,
-             {"role": "user", "content": _PLACEHOLDER}],
-            tokenize=False, add_generation_prompt=True,
-        )
-        head, tail = rendered.split(_PLACEHOLDER)
+        messages = [{"role": "system", "content": system_prompt}, *history]
+        placeholder = _placeholder(messages)
+        try:
+            rendered = tokenizer.apply_chat_template(
+                [*messages, {"role": "user", "content": placeholder}], tokenize=False, add_generation_prompt=True,
+            )
+        except (ValueError, TemplateError) as exc:  # a template may raise on, say, the order of roles
+            raise PromptLayoutError(f"the model's chat template refused these messages: {exc}") from exc
+        if rendered.count(placeholder) != 1:
+            raise PromptLayoutError("the model's chat template does not place the user message once")
+        head, tail = rendered.split(placeholder)
         self.head_ids = self.encode(head + "Documents:\n\n")
         self.tail_text = tail
 

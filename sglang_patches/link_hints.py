@@ -10,14 +10,16 @@ and versioned actions, delivered to the tree cache as `req.kv_hints`). Two actio
 
   ``chunks`` are token spans of ``input_ids``, ascending and disjoint; ``policy`` names a family
   of sglang_patches.policies (or a whole policy name, "legolink:4"). Its parameter travels as
-  ``k`` or ``ratio``, a reordered prompt carries ``"layout": "legolink"``, and families that
-  store chunks behind sinks carry ``sink_token``. Tokens outside chunks (system prompt,
-  question) are ordinary tokens.
+  ``k`` or ``ratio``, a prompt reordered by `runtime_request` carries ``"layout": "legolink"``,
+  and families that store chunks behind sinks carry ``sink_token`` (the model's BOS). Tokens
+  outside chunks (system prompt, question) are ordinary tokens. Any other field, or a field of
+  the wrong type, is refused.
 
-``picrag.compile`` (version "1"): the whole prompt is one chunk to compute alone at positions
-0..n-1 and store in the chunk cache (send it with ``max_new_tokens`` 0 or 1).
+``picrag.compile`` (version "1", empty payload): the whole prompt is one chunk to compute alone
+at positions 0..n-1 and store in the chunk cache (send it with ``max_new_tokens`` 0 or 1).
 
-A request without picrag actions behaves exactly like vanilla SGLang.
+A request carries at most one picrag action. A request without one behaves exactly like
+vanilla SGLang.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ LINK_ACTION = "picrag.link"
 COMPILE_ACTION = "picrag.compile"
 ACTION_VERSION = "1"
 PROTOCOL_VERSION = "1"
+ORIGINAL_LAYOUT = "original"
 # The value of "layout" for a prompt sent in LegoLink's order (families with reordered_layout).
 REORDERED_LAYOUT = "legolink"
+LINK_FIELDS = ("policy", "chunks", K.name, RATIO.name, "layout", "sink_token")
 
 # Policy errors and link-hint errors are one kind: a request the engine cannot serve as asked.
 LinkHintError = PolicyError
@@ -46,7 +50,7 @@ class LinkRequest:
     chunks: tuple[tuple[int, int], ...] = ()
     compile: bool = False
     k: int = 0  # families with param "k": tokens recomputed at the head of every chunk
-    layout: str = "original"  # REORDERED_LAYOUT: input_ids arrive reordered (sglang_patches.legolink_layout)
+    layout: str = ORIGINAL_LAYOUT  # REORDERED_LAYOUT: input_ids arrive reordered (sglang_patches.legolink_layout)
     sink_token: Optional[int] = None  # families with sink_tokens: the token compiled before each chunk
     ratio: float = 0.0  # families with param "ratio": fraction of chunk tokens recomputed after the check layer
 
@@ -86,8 +90,17 @@ class LinkRequest:
         for kind, value in ((K, self.k), (RATIO, self.ratio)):
             if not kind.holds(value):
                 raise LinkHintError(f"{self.policy} {kind.name} needs {kind.requirement()}, got {value}")
+        # A reordered prompt runs at the positions legolink_layout gives its spans and k: only a
+        # family that reorders, with chunks to reorder, may say so.
+        if self.layout not in (ORIGINAL_LAYOUT, REORDERED_LAYOUT):
+            raise LinkHintError(f"layout must be {REORDERED_LAYOUT!r} or absent, got {self.layout!r}")
+        if self.layout == REORDERED_LAYOUT and not (family.reordered_layout and self.chunks):
+            raise LinkHintError(f"layout {REORDERED_LAYOUT!r} is for prompts of a family that reorders "
+                                f"(legolink), with chunks; not for {self.policy}")
         if family.sink_tokens and self.sink_token is None:
             raise LinkHintError(f"{self.policy} needs a sink_token (the frontend fills in the model's BOS)")
+        if not family.sink_tokens and self.sink_token is not None:
+            raise LinkHintError(f"{self.policy} takes no sink_token")
 
 
 def _field(obj: Any, name: str) -> Any:
@@ -95,41 +108,89 @@ def _field(obj: Any, name: str) -> Any:
     return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
 
 
+def _whole(value: Any, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LinkHintError(f"{LINK_ACTION} {field} must be a whole number, got {value!r}")
+    return value
+
+
+def _spans(value: Any) -> tuple[tuple[int, int], ...]:
+    if not isinstance(value, (list, tuple)):
+        raise LinkHintError(f"{LINK_ACTION} chunks must be a list of [start, end] spans, got {value!r}")
+    spans = []
+    for span in value:
+        if not (isinstance(span, (list, tuple)) and len(span) == 2):
+            raise LinkHintError(f"{LINK_ACTION} chunks: a span is [start, end], got {span!r}")
+        spans.append((_whole(span[0], "chunks"), _whole(span[1], "chunks")))
+    return tuple(spans)
+
+
+def _param(payload: dict, policy_name: str, policy: Policy) -> Union[int, float, None]:
+    """The family's parameter, from the payload or the policy name (one of them)."""
+    family = policy.family
+    for kind in (K, RATIO):
+        if kind.name in payload and family.param != kind.name:
+            raise LinkHintError(f"{family.name} takes no {kind.name}")
+    if family.param is None or family.param not in payload:
+        return policy.param
+    value = payload[family.param]
+    if family.param == K.name:
+        value = _whole(value, K.name)
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise LinkHintError(f"{LINK_ACTION} {family.param} must be a number, got {value!r}")
+    if ":" in policy_name and value != policy.param:
+        raise LinkHintError(f"policy {policy_name!r} and {family.param} {value} disagree")
+    return value
+
+
+def _link_of_payload(payload: dict) -> LinkRequest:
+    unknown = sorted(set(payload) - set(LINK_FIELDS))
+    if unknown:
+        raise LinkHintError(f"{LINK_ACTION} payload field {unknown[0]!r} is not one of {', '.join(LINK_FIELDS)}")
+    policy_name = payload.get("policy", "naive")
+    if not isinstance(policy_name, str):
+        raise LinkHintError(f"{LINK_ACTION} policy must be a string, got {policy_name!r}")
+    policy = parse_policy(policy_name)
+    family = policy.family
+    param = _param(payload, policy_name, policy)
+    layout = payload.get("layout", ORIGINAL_LAYOUT)
+    if not isinstance(layout, str):
+        raise LinkHintError(f"layout must be {REORDERED_LAYOUT!r} or absent, got {layout!r}")
+    sink = payload.get("sink_token")
+    return LinkRequest(
+        policy=family.name, chunks=_spans(payload.get("chunks", [])),
+        k=param if family.param == K.name else 0,
+        ratio=float(param) if family.param == RATIO.name else 0.0,
+        layout=layout, sink_token=None if sink is None else _whole(sink, "sink_token"),
+    )
+
+
 def parse_link_request(kv_hints: Any) -> Optional[LinkRequest]:
-    """The picrag action of a request's KV-hint envelope, or None for a vanilla request."""
+    """The picrag action of a request's KV-hint envelope, or None for a vanilla request.
+
+    Parsed strictly: this is the engine's trust boundary, and any client can send kv_hints."""
     if kv_hints is None:
         return None
     actions = _field(kv_hints, "actions") or ()
     if not isinstance(actions, (list, tuple)):
         raise LinkHintError("kv_hints.actions must be a list")
-    for action in actions:
-        action_type = _field(action, "action_type")
-        if action_type == COMPILE_ACTION:
-            return LinkRequest(policy="naive", compile=True)
-        if action_type == LINK_ACTION:
-            version = _field(action, "action_version")
-            if version != ACTION_VERSION:
-                raise LinkHintError(
-                    f"{LINK_ACTION} version {version!r} not supported (want {ACTION_VERSION!r})"
-                )
-            payload = _field(action, "payload") or {}
-            if not isinstance(payload, dict):
-                raise LinkHintError(f"{LINK_ACTION} payload must be an object")
-            policy = parse_policy(str(payload.get("policy", "naive")))
-            family = policy.family
-            try:
-                chunks = tuple((int(s), int(e)) for s, e in payload.get("chunks", ()))
-                k = int(payload.get(K.name, policy.param if family.param == K.name else 0))
-                ratio = float(payload.get(RATIO.name, policy.param if family.param == RATIO.name else 0.0))
-            except (TypeError, ValueError) as exc:
-                raise LinkHintError(f"malformed chunk spans, k or ratio: {exc}") from exc
-            sink = payload.get("sink_token")
-            return LinkRequest(
-                policy=family.name, chunks=chunks, k=k, ratio=ratio,
-                layout=str(payload.get("layout", "original")),
-                sink_token=int(sink) if isinstance(sink, int) else None,
-            )
-    return None
+    ours = [a for a in actions if _field(a, "action_type") in (LINK_ACTION, COMPILE_ACTION)]
+    if not ours:
+        return None
+    if len(ours) > 1:
+        raise LinkHintError(f"a request carries one picrag action, got {len(ours)}")
+    action_type = _field(ours[0], "action_type")
+    version = _field(ours[0], "action_version")
+    if version != ACTION_VERSION:
+        raise LinkHintError(f"{action_type} version {version!r} not supported (want {ACTION_VERSION!r})")
+    payload = _field(ours[0], "payload") or {}
+    if not isinstance(payload, dict):
+        raise LinkHintError(f"{action_type} payload must be an object")
+    if action_type == COMPILE_ACTION:
+        if payload:
+            raise LinkHintError(f"{COMPILE_ACTION} takes no payload fields, got {sorted(payload)[0]!r}")
+        return LinkRequest(policy="naive", compile=True)
+    return _link_of_payload(payload)
 
 
 def _envelope(action_type: str, payload: dict) -> dict:
@@ -153,7 +214,7 @@ def hints_of(link: LinkRequest) -> dict:
     payload = {"policy": link.policy, "chunks": [list(c) for c in link.chunks]}
     if link.family.param is not None:
         payload[link.family.param] = getattr(link, link.family.param)
-    if link.layout != "original":
+    if link.layout != ORIGINAL_LAYOUT:
         payload["layout"] = link.layout
     if link.sink_token is not None:
         payload["sink_token"] = link.sink_token

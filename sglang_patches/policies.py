@@ -36,22 +36,24 @@ class ParamKind:
 
     def parse(self, family: str, text: str) -> Union[int, float]:
         value: Union[int, float, None] = None
-        if self.whole:
-            value = int(text) if text.isascii() and text.isdigit() else None
-        else:
-            try:
+        try:
+            if self.whole:
+                value = int(text) if text.isascii() and text.isdigit() else None
+            else:
                 value = float(text)
-            except ValueError:
-                pass
+        except ValueError:  # not a number, or more digits than int() reads
+            pass
         if value is None or not self.holds(value):
             raise PolicyError(f"{family}:{self.letter} needs {self.requirement()}, got {text!r}")
         return value
 
     def holds(self, value: Union[int, float]) -> bool:
-        return not math.isnan(value) and self.low <= value <= self.high
+        # Compared as they are: a huge int has no float (math.isnan would overflow).
+        return not (isinstance(value, float) and math.isnan(value)) and self.low <= value <= self.high
 
 
-K = ParamKind("k", "K", whole=True, low=0, high=math.inf)
+# k travels in kv_hints to the scheduler, whose messages (msgpack) hold 64-bit integers.
+K = ParamKind("k", "K", whole=True, low=0, high=2**63 - 1)
 RATIO = ParamKind("ratio", "R", whole=False, low=0.0, high=1.0)
 PARAM_KINDS = {kind.name: kind for kind in (K, RATIO)}
 

@@ -3,7 +3,9 @@
 
 A `/generate` body with a `picrag.link` hint, or a text with chunk markers (which becomes one,
 rag_server/api/chunk_markers.py), is checked here, once: a well-formed link over a flat
-`input_ids` prompt, a policy this server runs, a prompt the runtime would accept. It then takes
+`input_ids` prompt in its original order, a policy this server runs, a prompt the runtime would
+accept (rag_server/api/client_fields.py refuses token ids outside the vocabulary and picrag's
+own cache namespaces in any body, and the link fields only picrag sets). It then takes
 the link pipeline (rag_server/linking/pipeline.py), and the runtime's answer is relayed as SGLang
 wrote it. Other bodies are forwarded untouched; the pieces of a `picrag.compile` request are
 remembered by the compiler once the runtime stored them.
@@ -19,6 +21,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from rag_server.api.chunk_markers import link_marked_payload
+from rag_server.api.client_fields import client_link, refused_field
 from rag_server.api.proxy import forward, forwarded_headers, relay
 from rag_server.api.state import Frontend, frontend
 from rag_server.linking.pipeline import GenerationError
@@ -44,6 +47,9 @@ async def generate(request: Request) -> Response:
     if not isinstance(payload, dict):
         return await forward(request, body)
     state = frontend(request)
+    refused = refused_field(payload, len(state.rag.tokenizer))
+    if refused:
+        return _error(400, refused, "invalid_request")
     if not payload.get("kv_hints"):
         marked = link_marked_payload(payload, state.rag.layout.encode, state.special_prefix,
                                      state.rag.default_policy.policy)
@@ -66,7 +72,7 @@ async def _linked(request: Request, payload: dict[str, Any], link: LinkRequest, 
     try:
         if not (isinstance(input_ids, list) and all(isinstance(t, int) for t in input_ids)):
             raise LinkHintError("picrag.link chunk spans index input_ids: send one prompt as a flat input_ids list")
-        link = state.pipeline.with_sink(link)
+        link = state.pipeline.with_sink(client_link(link, state.pipeline.sink_token))
         link.validate(len(input_ids))
         state.rag.check_available(link.family)
     except LinkHintError as exc:

@@ -25,6 +25,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rag_server.api.client_fields import refused_field
 from rag_server.api.proxy import forward
 from rag_server.api.rag_api import (MAX_DOCUMENTS, MAX_NEW_TOKENS, MAX_QUESTION_CHARS, MAX_TOP_K, Document,
                                     PolicyName, RagAnswer, sse)
@@ -144,8 +145,11 @@ async def chat_completions(request: Request) -> Response:
         payload = json.loads(body)
     except ValueError:
         return await forward(request, body)
-    if not (isinstance(payload, dict) and "picrag" in payload):
+    if not isinstance(payload, dict):
         return await forward(request, body)
+    if "picrag" not in payload:
+        refused = refused_field(payload, len(frontend(request).rag.tokenizer))
+        return openai_error(400, refused) if refused else await forward(request, body)
     state = frontend(request)
     return await rag_chat_completion(state.rag, payload, state.model_name)
 

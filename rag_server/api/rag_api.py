@@ -68,8 +68,10 @@ class Document(BaseModel):
     text: str = Field(min_length=1, max_length=MAX_DOCUMENT_CHARS)
     title: str = Field("", max_length=MAX_TITLE_CHARS)
     id: str | None = Field(None, max_length=200, description="default: content id of the text")
-    score: float | None = Field(None, description="relevance; the lowest-scored go first when the "
-                                "context window is full (unscored: the last given go first)")
+    # NaN and infinities order nothing, and no JSON answer could quote them back.
+    score: float | None = Field(None, allow_inf_nan=False, description=(
+        "relevance; the lowest-scored go first when the context window is full (unscored: the last "
+        "given go first)"))
 
     def scored(self) -> ScoredPassage:
         return ScoredPassage(self.id or passage_id(self.text), self.title, self.text, self.score)

@@ -1,0 +1,153 @@
+"""What the engine takes from a client: the shared chunk cache's trust boundary.
+
+Any client that reaches the runtime can send `kv_hints`, `extra_key` and token ids, and the
+chunk cache is shared by every client. So the engine itself (not only the frontend) holds:
+
+* token ids lie in the model's vocabulary (an id beyond it, or beyond int64, would take the
+  scheduler down);
+* tree namespaces starting with ``picrag:`` are picrag's own: a client's `extra_key` that
+  starts so is moved to a namespace of its own (`client_namespace`), so a client request can
+  never write into the chunk store or a policy's linked prompts;
+* a picrag action is admitted only as picrag itself sends it (`admitted_link`): a plain token
+  prompt; a compile only into the shared store (no client namespace, cache salt or LoRA) and
+  generating nothing; a reordered layout only for a family that reorders, with chunks; the sink
+  token only the model's own.
+
+The tokenizer manager refuses such requests with a 400 (`register`: a hook on SGLang's
+per-request validation); the chunk cache, which sees every request that reaches the
+scheduler, serves a request whose picrag action it does not admit as a vanilla one
+(sglang_patches.chunk_cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from sglang_patches.link_hints import REORDERED_LAYOUT, LinkHintError, LinkRequest, parse_link_request
+
+HOOK_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
+NAMESPACE_PREFIX = "picrag:"
+# Where a client's extra_key that starts with NAMESPACE_PREFIX goes instead.
+CLIENT_NAMESPACE_PREFIX = "client:"
+
+
+def client_namespace(extra_key: Optional[str]) -> Optional[str]:
+    """A client's extra_key as the radix tree may use it: never one of picrag's namespaces."""
+    if extra_key is not None and extra_key.startswith(NAMESPACE_PREFIX):
+        return CLIENT_NAMESPACE_PREFIX + extra_key
+    return extra_key
+
+
+def out_of_vocabulary(token_ids: Sequence[Any], vocab_size: int) -> Optional[int]:
+    """Where in `token_ids` the first entry is that is no token id of a vocabulary of `vocab_size`."""
+    for index, token in enumerate(token_ids):
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            return index
+    return None
+
+
+def vocabulary_error(token_ids: Sequence[Any], vocab_size: int, field: str = "input_ids") -> Optional[str]:
+    index = out_of_vocabulary(token_ids, vocab_size)
+    if index is None:
+        return None
+    return f"{field}: {token_ids[index]!r} is not a token id of this model (0..{vocab_size - 1})"
+
+
+def check_token_ids(token_ids: Sequence[Any], vocab_size: int) -> None:
+    error = vocabulary_error(token_ids, vocab_size)
+    if error:
+        raise ValueError(error)
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    """What the admission of a picrag action looks at, read off SGLang's request objects."""
+
+    prompt_len: int
+    max_new_tokens: Optional[int]  # None: SGLang's default (128)
+    namespaced: bool  # the client set an extra_key, a cache salt or a LoRA adapter
+    other_inputs: tuple[str, ...] = ()  # set fields that make the KV more than the prompt's tokens
+
+
+def admitted_link(kv_hints: Any, shape: RequestShape, sink_token: Optional[int]) -> Optional[LinkRequest]:
+    """The picrag action of a request as the engine serves it (None: a vanilla request);
+    LinkHintError for one the engine does not admit. `sink_token`: the model's BOS."""
+    link = parse_link_request(kv_hints)
+    if link is None:
+        return None
+    if shape.other_inputs:
+        raise LinkHintError(f"picrag actions link a plain token prompt; {shape.other_inputs[0]} is set")
+    if link.compile:
+        # The chunk store is read by every request of every client: only a chunk computed
+        # alone, by prefill, from its tokens, goes in.
+        if shape.namespaced:
+            raise LinkHintError("picrag.compile stores into the shared chunk store: no extra_key, "
+                                "cache_salt or LoRA adapter")
+        if shape.max_new_tokens is None or shape.max_new_tokens > 1:
+            raise LinkHintError("picrag.compile generates nothing: send max_new_tokens 0 or 1")
+        return link
+    if link.family.sink_tokens:
+        if sink_token is None:
+            raise LinkHintError(f"{link.policy} compiles chunks behind the model's BOS, and this model has none")
+        if link.sink_token not in (None, sink_token):
+            raise LinkHintError(f"sink_token is the model's BOS ({sink_token}), got {link.sink_token}")
+        link = dataclasses.replace(link, sink_token=sink_token)
+    link.validate(shape.prompt_len)
+    if link.family.reordered_layout and link.chunks and link.layout != REORDERED_LAYOUT:
+        raise LinkHintError(f"{link.policy} prompts must arrive reordered (link_hints.runtime_request)")
+    return link
+
+
+# ---- the scheduler's requests (sglang.srt.managers.schedule_batch.Req) -------------------
+
+_REQ_OTHER_INPUTS = ("input_embeds", "positional_embed_overrides", "multimodal_inputs", "token_type_ids", "session")
+
+
+def shape_of_req(req) -> RequestShape:
+    """`req` as it reaches the tree cache, before picrag namespaces its extra_key."""
+    sampling = getattr(req, "sampling_params", None)
+    return RequestShape(
+        prompt_len=len(req.origin_input_ids),
+        max_new_tokens=getattr(sampling, "max_new_tokens", None),
+        # SGLang appends a LoRA adapter's id to extra_key.
+        namespaced=bool(req.extra_key or getattr(req, "cache_salt", None)),
+        other_inputs=tuple(name for name in _REQ_OTHER_INPUTS if getattr(req, name, None) is not None),
+    )
+
+
+# ---- the tokenizer manager's requests (GenerateReqInput, one prompt) -----------------------
+
+_INPUT_OTHER_INPUTS = ("input_embeds", "positional_embed_overrides", "image_data", "video_data", "audio_data",
+                       "session_params")
+
+
+def shape_of_input(obj, input_ids: list[int]) -> RequestShape:
+    sampling = getattr(obj, "sampling_params", None) or {}
+    return RequestShape(
+        prompt_len=len(input_ids),
+        max_new_tokens=sampling.get("max_new_tokens"),
+        namespaced=any(getattr(obj, name, None) for name in ("extra_key", "cache_salt", "lora_path", "lora_id")),
+        other_inputs=tuple(name for name in _INPUT_OTHER_INPUTS if getattr(obj, name, None) is not None),
+    )
+
+
+def check_request(manager, obj, input_ids, *args, **kwargs) -> None:
+    """BEFORE hook on TokenizerManager._validate_one_request: a ValueError is SGLang's 400."""
+    contains_mm = getattr(obj, "contains_mm_input", None)
+    if input_ids is not None and not (contains_mm and contains_mm()):
+        # Multimodal prompts carry pad values above the vocabulary.
+        check_token_ids(input_ids, manager.model_config.vocab_size)
+    kv_hints = getattr(obj, "kv_hints", None)
+    if kv_hints is not None:
+        tokenizer = manager.tokenizer
+        admitted_link(kv_hints, shape_of_input(obj, input_ids or []),
+                      None if tokenizer is None else tokenizer.bos_token_id)
+
+
+def register() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(HOOK_TARGET, check_request, HookType.BEFORE)
