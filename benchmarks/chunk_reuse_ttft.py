@@ -30,8 +30,8 @@ from pathlib import Path
 
 import httpx
 
+from rag_server.bench.common import server
 from retrieval.prompt_layout import PromptLayout, PromptPassage
-from rag_server.launch.serve_process import start_picrag_serve
 from sglang_patches.link_hints import link_hints
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,12 +67,10 @@ def main() -> None:
     rows = [json.loads(line) for line in QA.read_text().splitlines()][: args.rows]
     rng = random.Random(args.seed)
 
-    server = None if args.url else start_picrag_serve(args.port, [], Path("/tmp/picrag-bench-ttft.log"))
-    url = args.url or f"http://127.0.0.1:{args.port}"
     times: dict[str, list[float]] = {name: [] for name in ["full", "prefix", *link_policies]}
     tokens: dict[str, list[int]] = {name: [] for name in times}
     prompt_lens = []
-    try:
+    with server(args.url, None, args.port, Path("/tmp/picrag-bench-ttft.log")) as url:
         with httpx.Client(base_url=url, timeout=1800) as client:
             for i, row in enumerate(rows):
                 passages = [PromptPassage(p["title"], p["text"]) for p in row["passages"]]
@@ -100,10 +98,6 @@ def main() -> None:
                     tokens[policy].append(meta["cached_tokens_details"]["picrag_computed_tokens"])
                 print(f"row {i + 1}/{len(rows)}: {len(prompt.input_ids)} tokens, "
                       + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()), flush=True)
-    finally:
-        if server is not None:
-            server.terminate()
-            server.wait(60)
 
     full = statistics.median(times["full"])
     print(f"\nSmolLM2-135M fp32 on CPU, {len(rows)} MuSiQue dev rows, 20 passages, "

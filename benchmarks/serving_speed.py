@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from rag_server.launch.serve_process import start_picrag_serve
+from rag_server.bench.common import server
 
 REPO = Path(__file__).resolve().parents[1]
 QA = REPO.parent / "shared" / "data" / "qa" / "musique.dev.jsonl"
@@ -90,22 +90,15 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = prompt_ids(tokenizer, args.prompt_tokens)
 
-    server = None if args.url else start_picrag_serve(
-        args.port, shlex.split(args.serve_args), Path("/tmp/picrag-bench-serving.log")
-    )
-    url = args.url or f"http://127.0.0.1:{args.port}"
     results: dict[str, list[tuple[float, float]]] = {"picrag serve (SGLang)": [], "transformers": []}
-    try:
+    log = Path("/tmp/picrag-bench-serving.log")
+    with server(args.url, None, args.port, log, shlex.split(args.serve_args)) as url:
         with httpx.Client(base_url=url, timeout=600) as client:
             served_run(client, ids, 4)  # warm-up
             transformers_run(model, ids, 4)
             for _ in range(args.repeats):
                 results["picrag serve (SGLang)"].append(served_run(client, ids, args.new_tokens))
                 results["transformers"].append(transformers_run(model, ids, args.new_tokens))
-    finally:
-        if server is not None:
-            server.terminate()
-            server.wait(60)
 
     print(f"\nSmolLM2-135M fp32, CPU, {torch.get_num_threads()} threads, prompt {len(ids)} tokens, "
           f"{args.new_tokens} greedy tokens, median of {args.repeats}\n")

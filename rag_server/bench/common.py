@@ -308,14 +308,16 @@ def machine_description() -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def server(url: str | None, model: str | None, port: int, log: Path) -> Iterator[str]:
-    """The given server's URL, or one started here (and stopped afterwards) on `model`."""
+def server(url: str | None, model: str | None, port: int, log: Path,
+           serve_args: Sequence[str] = ()) -> Iterator[str]:
+    """The given server's URL, or one started here (and stopped afterwards) on `model`, with
+    `serve_args` added to its `picrag serve` command line."""
     if url is not None:
         yield url.rstrip("/")
         return
     from rag_server.launch.serve_process import start_picrag_serve
 
-    args = ["--model", model] if model else []
+    args = (["--model", model] if model else []) + list(serve_args)
     logger.info("starting picrag serve on port %d (log %s)", port, log)
     process = start_picrag_serve(port, args, log)
     try:
