@@ -16,6 +16,12 @@ def passages_of(row: dict, picks) -> list[PromptPassage]:
     return [PromptPassage(row["passages"][i]["title"], row["passages"][i]["text"]) for i in picks]
 
 
+def question_tokens(prompt) -> int:
+    """Tokens after a CompiledPrompt's last passage (question and generation prompt): all that a
+    chunk policy computes when it reuses every chunk as stored."""
+    return len(prompt.input_ids) - prompt.chunks[-1][1]
+
+
 def generate(client, input_ids, policy=None, chunks=(), max_new_tokens=8, logprobs=False, **extra) -> dict:
     body = {
         "input_ids": input_ids,
