@@ -16,6 +16,20 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 logger = logging.getLogger("picrag")
 
+# `picrag serve`'s exit status when its SGLang runtime died: not restarted in place, since a
+# restart costs what a fresh start costs (minutes of model load on CPU), and a supervisor
+# (systemd, Kubernetes, a shell loop) restarts the whole server with back-off and counts failures.
+RUNTIME_DIED_EXIT = 3
+# How long in-flight requests may take to end once the server stops (SIGTERM, a dead runtime).
+SHUTDOWN_GRACE_S = 20
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, not {text}")
+    return value
+
 
 def _non_negative_int(text: str) -> int:
     value = int(text)
@@ -54,7 +68,8 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from rag_server.api.app import create_app
-    from rag_server.api.auth import API_KEY_ENV
+    from rag_server.api.auth import ADMIN_API_KEY_ENV, API_KEY_ENV
+    from rag_server.api.upstream import UpstreamTimeouts
     from sglang_patches.model_store import resolve_model
     from rag_server.launch.runtime import RuntimeConfig, SGLangRuntime
 
@@ -102,6 +117,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     # uvicorn installs its own handlers once it runs; these cover the minute of runtime start.
     signal.signal(signal.SIGTERM, terminate)
+    died: list[str] = []
     try:
         runtime.start(timeout_s=args.start_timeout)
         logger.info("picrag frontend listening on http://%s:%d (runtime %s)", args.host, args.port, runtime.url)
@@ -109,13 +125,30 @@ def _serve(args: argparse.Namespace) -> int:
                          default_policy=policy,
                          unavailable_policies=unavailable,
                          api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                         admin_api_key=args.admin_api_key or os.environ.get(ADMIN_API_KEY_ENV) or None,
                          cors_origins=args.cors_origin, max_inflight=args.max_inflight,
-                         max_queue=args.max_queue)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+                         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                         timeouts=UpstreamTimeouts(args.runtime_connect_timeout, args.runtime_first_byte_timeout,
+                                                   args.runtime_total_timeout),
+                         health_interval_s=args.health_interval)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                               timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+
+        def runtime_died(reason: str) -> None:
+            died.append(reason)
+            logger.error("SGLang runtime died (%s): ending its in-flight requests with an error and exiting "
+                         "with status %d for a supervisor to restart picrag serve", reason, RUNTIME_DIED_EXIT)
+            app.state.health.mark_dead(reason)
+            # What is left of the runtime goes, so that requests waiting on it fail now.
+            runtime.stop(grace_s=2.0)
+            server.should_exit = True
+
+        runtime.watch(runtime_died)
+        server.run()
     finally:
         runtime.stop()
         logger.info("picrag stopped")
-    return 0
+    return RUNTIME_DIED_EXIT if died else 0
 
 
 def _ask(args: argparse.Namespace) -> int:
@@ -163,7 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     from rag_server.api.admission import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_QUEUE
-    from rag_server.api.auth import API_KEY_ENV
+    from rag_server.api.auth import ADMIN_API_KEY_ENV, API_KEY_ENV
+    from rag_server.api.body_limit import DEFAULT_MAX_BODY_BYTES
+    from rag_server.api.rag_api import MAX_BODY_BYTES as MAX_RAG_BODY_BYTES
+    from rag_server.api.health import DEFAULT_INTERVAL_S
+    from rag_server.api import upstream
 
     serve = commands.add_parser(
         "serve", help="start the SGLang runtime and the picrag HTTP frontend",
@@ -215,6 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"require `Authorization: Bearer KEY` (or `X-API-Key: KEY`) on every route "
                        f"but /health (default: ${API_KEY_ENV}, which keeps the key out of `ps`; "
                        "unset: no key)")
+    serve.add_argument("--admin-api-key", default=None, metavar="KEY",
+                       help="require this key (sent like the API key) on the admin routes /flush_cache and "
+                       "/abort_request; it also opens every other route (default: "
+                       f"${ADMIN_API_KEY_ENV}; unset: those routes answer loopback clients only)")
     serve.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                        help="allow browser requests from ORIGIN (repeatable; '*' for any; default: no CORS)")
     serve.add_argument("--max-inflight", type=_positive_int, default=DEFAULT_MAX_INFLIGHT, metavar="N",
@@ -222,6 +263,24 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=_non_negative_int, default=DEFAULT_MAX_QUEUE, metavar="N",
                        help=f"requests waiting for a slot (default {DEFAULT_MAX_QUEUE}); "
                        "beyond them: 503 with Retry-After")
+    serve.add_argument("--max-body-bytes", type=_byte_size, default=DEFAULT_MAX_BODY_BYTES, metavar="SIZE",
+                       help=f"largest request body on any route (default {DEFAULT_MAX_BODY_BYTES >> 20}M; "
+                       f"/rag/ routes: at most {MAX_RAG_BODY_BYTES >> 20}M); larger ones get 413 unread")
+    serve.add_argument("--runtime-connect-timeout", type=_positive_float, metavar="S",
+                       default=upstream.DEFAULT_CONNECT_TIMEOUT_S,
+                       help=f"seconds to connect to the runtime (default {upstream.DEFAULT_CONNECT_TIMEOUT_S:g})")
+    serve.add_argument("--runtime-first-byte-timeout", type=_positive_float, metavar="S",
+                       default=upstream.DEFAULT_FIRST_BYTE_TIMEOUT_S,
+                       help="seconds to wait for the runtime's first byte, and between two bytes of a "
+                       f"stream (default {upstream.DEFAULT_FIRST_BYTE_TIMEOUT_S:g}: a long prompt's prefill "
+                       "takes minutes on CPU); beyond: 504, or an error event in a stream")
+    serve.add_argument("--runtime-total-timeout", type=_positive_float, metavar="S",
+                       default=upstream.DEFAULT_TOTAL_TIMEOUT_S,
+                       help=f"seconds any one call to the runtime may take, streams included (default "
+                       f"{upstream.DEFAULT_TOTAL_TIMEOUT_S:g})")
+    serve.add_argument("--health-interval", type=_positive_float, default=DEFAULT_INTERVAL_S, metavar="S",
+                       help=f"seconds between the probes of the runtime that /health reports "
+                       f"(default {DEFAULT_INTERVAL_S:g})")
     serve.set_defaults(func=_serve)
 
     ask = commands.add_parser(

@@ -1,4 +1,5 @@
-"""picrag's frontend app served by uvicorn in a thread of the test process, in front of a runtime."""
+"""ASGI apps served by uvicorn in a thread of the test process: picrag's frontend in front of a
+runtime, or a fake runtime (tests/fake_runtime.py)."""
 
 from __future__ import annotations
 
@@ -9,26 +10,35 @@ from contextlib import contextmanager
 
 
 @contextmanager
-def frontend(runtime_url: str, **options) -> Iterator[str]:
-    """`create_app(runtime_url, **options)` on a free port; yields its URL."""
+def serving(app, graceful_shutdown_s: float | None = None) -> Iterator[str]:
+    """`app` on a free loopback port; yields its URL. `graceful_shutdown_s`: how long requests
+    still running at the end may take (None: as long as they need)."""
     import uvicorn
 
-    from rag_server.api.app import create_app
     from rag_server.launch.runtime import free_port
 
     port = free_port()
-    # lifespan "on": a failed start-up must fail the test, not leave a frontend without its state.
-    server = uvicorn.Server(uvicorn.Config(create_app(runtime_url, **options), host="127.0.0.1",
-                                           port=port, log_level="warning", lifespan="on"))
+    # lifespan "on": a failed start-up must fail the test, not leave an app without its state.
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
+                                           timeout_graceful_shutdown=graceful_shutdown_s))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 300
     while not server.started:
-        assert thread.is_alive(), "the in-process frontend failed to start"
-        assert time.monotonic() < deadline, "the in-process frontend did not start in 300 s"
-        time.sleep(0.2)
+        assert thread.is_alive(), "the in-process server failed to start"
+        assert time.monotonic() < deadline, "the in-process server did not start in 300 s"
+        time.sleep(0.05)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(60)
+
+
+@contextmanager
+def frontend(runtime_url: str, **options) -> Iterator[str]:
+    """`create_app(runtime_url, **options)` on a free port; yields its URL."""
+    from rag_server.api.app import create_app
+
+    with serving(create_app(runtime_url, **options)) as url:
+        yield url

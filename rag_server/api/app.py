@@ -19,9 +19,11 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from rag_server.api import health, native_routes, openai_chat, proxy, rag_api
 from rag_server.api.admission import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_QUEUE, Admission
-from rag_server.api.auth import ApiKeyGuard
-from rag_server.api.body_limit import BodyLimit
+from rag_server.api.auth import AccessGuard
+from rag_server.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from rag_server.api.health import DEFAULT_INTERVAL_S, HealthMonitor
 from rag_server.api.state import Frontend, FrontendSettings
+from rag_server.api.upstream import UpstreamTimeouts
 from rag_server.api.validation_errors import validation_error
 from rag_server.service.rag_service import DEFAULT_POLICY, NamedPolicy
 from sglang_patches.policies import PolicyError
@@ -35,16 +37,24 @@ def create_app(
     default_policy: str = DEFAULT_POLICY,
     unavailable_policies: Mapping[str, str] | None = None,
     api_key: str | None = None,
+    admin_api_key: str | None = None,
     cors_origins: Sequence[str] = (),
     max_inflight: int = DEFAULT_MAX_INFLIGHT,
     max_queue: int = DEFAULT_MAX_QUEUE,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    timeouts: UpstreamTimeouts = UpstreamTimeouts(),
+    health_interval_s: float = DEFAULT_INTERVAL_S,
 ) -> FastAPI:
     """The frontend for a runtime that is already up. `model_path` (default: the runtime's)
     gives the tokenizer and context window; `index_dir` the passage index to retrieve from.
-    `api_key`: required on every route but /health; `cors_origins`: browser origins allowed
-    (none: no CORS headers); `max_inflight` requests run at once, `max_queue` more wait, 503
-    beyond (rag_server/api/admission.py). `unavailable_policies`: policy family -> why this server
-    refuses it (cacherepair without a checkpoint for the model)."""
+    `api_key`: required on every route but /health; `admin_api_key`: required on the admin
+    routes (none: those answer loopback clients only; rag_server/api/auth.py); `cors_origins`:
+    browser origins allowed (none: no CORS headers); `max_inflight` requests run at once,
+    `max_queue` more wait, 503 beyond (rag_server/api/admission.py); request bodies over
+    `max_body_bytes` are refused (rag_server/api/body_limit.py); `timeouts` bound every call to
+    the runtime (rag_server/api/upstream.py); `/health` reports the runtime's state as probed
+    every `health_interval_s` (rag_server/api/health.py). `unavailable_policies`: policy family ->
+    why this server refuses it (cacherepair without a checkpoint for the model)."""
     unavailable = dict(unavailable_policies or {})
     try:
         default = NamedPolicy.parse(default_policy)
@@ -52,20 +62,21 @@ def create_app(
         raise ValueError(f"default policy: {exc}") from exc
     if default.family.name in unavailable:
         raise ValueError(f"default policy {default_policy!r} is unavailable: {unavailable[default.family.name]}")
-    settings = FrontendSettings(runtime_url, default, model_path, index_dir, unavailable)
+    settings = FrontendSettings(runtime_url, default, model_path, index_dir, unavailable, timeouts)
 
     app = FastAPI(title="picrag", version="0.1.0", lifespan=lambda app: _running(app, settings))
+    app.state.health = HealthMonitor(runtime_url, health_interval_s, timeouts.connect_s)
     app.add_exception_handler(RequestValidationError, validation_error)
     for routes in (health, rag_api, openai_chat, native_routes, proxy):
         app.include_router(routes.router)
 
     # Added innermost first. CORS outermost, so that preflights (which carry no key) are
     # answered and 401/503 answers carry CORS headers a browser can read; the key check before
-    # admission, so that requests without the key never take a slot.
-    app.add_middleware(BodyLimit, prefix="/rag/", max_bytes=rag_api.MAX_BODY_BYTES)
+    # admission, so that requests without the key never take a slot; the body limit inside
+    # admission, so that bodies read at once are at most one per slot.
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, prefix_limits={"/rag/": rag_api.MAX_BODY_BYTES})
     app.add_middleware(Admission, max_inflight=max_inflight, max_queue=max_queue)
-    if api_key:
-        app.add_middleware(ApiKeyGuard, api_key=api_key)
+    app.add_middleware(AccessGuard, api_key=api_key or None, admin_api_key=admin_api_key or None)
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
                            allow_headers=["*"])
@@ -76,6 +87,8 @@ def create_app(
 async def _running(app: FastAPI, settings: FrontendSettings) -> AsyncIterator[None]:
     app.state.frontend = await Frontend.open(settings)
     try:
+        await app.state.health.start()
         yield
     finally:
+        await app.state.health.aclose()
         await app.state.frontend.aclose()

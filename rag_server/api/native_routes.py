@@ -13,6 +13,7 @@ remembered by the compiler once the runtime stored them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any
@@ -51,8 +52,9 @@ async def generate(request: Request) -> Response:
     if refused:
         return _error(400, refused, "invalid_request")
     if not payload.get("kv_hints"):
-        marked = link_marked_payload(payload, state.rag.layout.encode, state.special_prefix,
-                                     state.rag.default_policy.policy)
+        # Tokenizing a long marked text takes a while: off the event loop.
+        marked = await asyncio.to_thread(link_marked_payload, payload, state.rag.layout.encode,
+                                         state.special_prefix, state.rag.default_policy.policy)
         if marked is None:
             return await forward(request, body)
         payload, body = marked, json.dumps(marked).encode()

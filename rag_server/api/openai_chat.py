@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rag_server.api.client_fields import refused_field
+from rag_server.api.message_limits import MAX_MESSAGES, message_limit_error
 from rag_server.api.proxy import forward
 from rag_server.api.rag_api import (MAX_DOCUMENTS, MAX_NEW_TOKENS, MAX_QUESTION_CHARS, MAX_TOP_K, Document,
                                     PolicyName, RagAnswer, sse)
@@ -36,7 +37,6 @@ from rag_server.service.rag_service import NamedPolicy, RagPlan, RagRequest, Rag
 # Without max_tokens an OpenAI model may use the whole window; a RAG answer needs far less,
 # and the reservation shrinks the room for passages.
 DEFAULT_CHAT_MAX_TOKENS = 256
-MAX_MESSAGES = 256
 
 
 class PicragExtension(BaseModel):
@@ -147,6 +147,9 @@ async def chat_completions(request: Request) -> Response:
         return await forward(request, body)
     if not isinstance(payload, dict):
         return await forward(request, body)
+    too_many = message_limit_error(payload)
+    if too_many:
+        return openai_error(400, too_many)
     if "picrag" not in payload:
         refused = refused_field(payload, len(frontend(request).rag.tokenizer))
         return openai_error(400, refused) if refused else await forward(request, body)

@@ -4,6 +4,7 @@ against picrag's port."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator
 
@@ -32,6 +33,8 @@ PASSTHROUGH_ROUTES: dict[str, list[str]] = {
 HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "content-encoding"})
 # The API key is the frontend's: the runtime (loopback, no key) never sees it.
 _CREDENTIAL_HEADERS = frozenset({"authorization", "x-api-key"})
+EVENT_END = b"\n\n"
+DONE_EVENT = b"data: [DONE]\n\n"
 
 
 def forwarded_headers(request: Request) -> dict[str, str]:
@@ -46,10 +49,40 @@ def relayed_headers(upstream: httpx.Response) -> dict[str, str]:
 
 
 def relay(upstream: httpx.Response, body: bytes | AsyncIterator[bytes]) -> Response:
-    """The runtime's answer as the client's: `body` whole, or streamed as it arrives."""
+    """The runtime's answer as the client's: `body` whole, or streamed as it arrives (a stream
+    the runtime fails to finish ends with an error event)."""
     if isinstance(body, bytes):
         return Response(body, status_code=upstream.status_code, headers=relayed_headers(upstream))
-    return StreamingResponse(body, status_code=upstream.status_code, headers=relayed_headers(upstream))
+    return StreamingResponse(_ended_by_error_event(body), status_code=upstream.status_code,
+                             headers=relayed_headers(upstream))
+
+
+def failure_status(exc: httpx.HTTPError) -> int:
+    """The status for a runtime call that failed: 504 when a timeout ran out, 503 otherwise."""
+    return 504 if isinstance(exc, httpx.TimeoutException) else 503
+
+
+def error_event(message: str, status: int) -> bytes:
+    """An error as SGLang's streams report one, then the stream's end."""
+    error = {"message": message, "type": "server_error", "code": status, "retryable": True}
+    return b"data: " + json.dumps({"error": error}).encode() + b"\n\n" + DONE_EVENT
+
+
+async def _ended_by_error_event(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A server-sent-event stream relayed event by event (byte for byte); if the runtime's
+    side fails (it died, a timeout ran out), the event it was in the middle of is dropped and
+    an error event ends the stream, so the client reads a failure instead of a cut connection."""
+    pending = b""
+    try:
+        async for chunk in chunks:
+            complete, separator, pending = (pending + chunk).rpartition(EVENT_END)
+            if separator:
+                yield complete + separator
+        if pending:
+            yield pending
+    except httpx.HTTPError as exc:
+        logger.error("runtime stream failed: %r", exc)
+        yield error_event(f"runtime failed mid-stream: {exc!r}", failure_status(exc))
 
 
 async def _raw_stream(upstream: httpx.Response) -> AsyncIterator[bytes]:
@@ -72,15 +105,21 @@ async def forward(request: Request, body: bytes | None = None) -> Response:
             headers=forwarded_headers(request),
         ), stream=True)
     except httpx.HTTPError as exc:
-        logger.error("runtime request %s failed: %s", request.url.path, exc)
-        return JSONResponse({"error": f"runtime unavailable: {exc}"}, 503)
+        return _failed(request, exc)
     if is_stream(upstream):
         return relay(upstream, _raw_stream(upstream))
     try:
         data = await upstream.aread()
+    except httpx.HTTPError as exc:
+        return _failed(request, exc)
     finally:
         await upstream.aclose()
     return relay(upstream, data)
+
+
+def _failed(request: Request, exc: httpx.HTTPError) -> Response:
+    logger.error("runtime request %s failed: %r", request.url.path, exc)
+    return JSONResponse({"error": f"runtime unavailable: {exc!r}"}, failure_status(exc))
 
 
 async def passthrough(request: Request) -> Response:

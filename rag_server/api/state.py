@@ -14,6 +14,7 @@ import httpx
 from fastapi import Request
 
 from rag_server.api.chunk_markers import leading_special_tokens
+from rag_server.api.upstream import UpstreamTimeouts, runtime_client
 from rag_server.linking.chunk_compiler import ChunkCompiler
 from rag_server.linking.pipeline import LinkPipeline
 from rag_server.service.context_window import ContextLimits
@@ -27,6 +28,7 @@ class FrontendSettings:
     model_path: Optional[Path] = None  # default: the runtime's
     index_dir: Optional[Path] = None
     unavailable_policies: Mapping[str, str] = field(default_factory=dict)  # family -> why not here
+    timeouts: UpstreamTimeouts = UpstreamTimeouts()  # every call to the runtime
 
 
 @dataclass
@@ -39,8 +41,7 @@ class Frontend:
 
     @classmethod
     async def open(cls, settings: FrontendSettings) -> Frontend:
-        # No read timeout: a long prefill on CPU can take minutes before the first byte.
-        client = httpx.AsyncClient(base_url=settings.runtime_url, timeout=httpx.Timeout(10.0, read=None))
+        client = runtime_client(settings.runtime_url, settings.timeouts)
         try:
             info = (await client.get("/get_model_info")).json()
             model_dir = Path(settings.model_path or info["model_path"])

@@ -13,11 +13,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +132,10 @@ class RuntimeConfig:
 
     def env(self) -> dict[str, str]:
         env = runtime_env(threads=self.threads)
+        # The frontend probes /health at an interval (rag_server/api/health.py) and watches the
+        # runtime's processes (SGLangRuntime.watch); a token generated per probe would show up
+        # in the runtime's load and cache counters.
+        env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "0")
         if self.device == "cpu":
             # Without it SGLang imports vLLM's rotary kernel on CPU and dies.
             env["SGLANG_USE_CPU_ENGINE"] = "1"
@@ -152,6 +159,10 @@ class RuntimeStartError(RuntimeError):
     pass
 
 
+# SGLang names its long-lived worker processes so (setproctitle): sglang::scheduler, sglang::detokenizer.
+_WORKER_TITLE = "sglang::"
+
+
 class SGLangRuntime:
     """SGLang's server in its own process group, so stopping it leaves no children behind."""
 
@@ -159,6 +170,9 @@ class SGLangRuntime:
         self.config = config.resolved()
         self.log_file = log_file
         self.process: subprocess.Popen | None = None
+        self._workers: list[tuple[psutil.Process, str]] = []  # SGLang's workers and titles, once up
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()  # a death is reported, or the runtime stopped on purpose
 
     @property
     def url(self) -> str:
@@ -185,7 +199,9 @@ class SGLangRuntime:
                     + (f"; see {self.log_file}" if self.log_file else "")
                 )
             if self.healthy():
-                logger.info("SGLang runtime ready in %.0f s", time.monotonic() - started)
+                self._workers = _workers_of(self.process.pid)
+                logger.info("SGLang runtime ready in %.0f s (workers: %s)", time.monotonic() - started,
+                            ", ".join(f"{title} {p.pid}" for p, title in self._workers) or "none found")
                 return
             time.sleep(1.0)
         self.stop()
@@ -197,19 +213,78 @@ class SGLangRuntime:
         except httpx.HTTPError:
             return False
 
+    def death(self) -> str | None:
+        """Why the runtime is dead (its server process or one of its workers exited), or None."""
+        if self.process is None:
+            return None
+        if self.process.poll() is not None:
+            return f"its server process {self.process.pid} exited with code {self.process.returncode}"
+        for worker, title in self._workers:
+            if not _alive(worker):
+                return f"its {title} process {worker.pid} exited"
+        return None
+
+    def watch(self, on_death: Callable[[str], None], interval_s: float = 1.0) -> threading.Thread:
+        """Call `on_death(reason)` from a daemon thread once the started runtime dies, unless
+        `stop` was called first."""
+
+        def watching() -> None:
+            while not self._stopping.wait(interval_s):
+                reason = self.death()
+                if reason is None:
+                    continue
+                with self._lock:
+                    if self._stopping.is_set():
+                        return
+                    self._stopping.set()
+                on_death(reason)
+                return
+
+        thread = threading.Thread(target=watching, name="sglang-runtime-watch", daemon=True)
+        thread.start()
+        return thread
+
     def stop(self, grace_s: float = 15.0) -> None:
-        if self.process is None or self.process.poll() is not None:
+        with self._lock:
+            self._stopping.set()
+        if self.process is None:
             return
-        pgid = os.getpgid(self.process.pid)
-        logger.info("Stopping SGLang runtime (process group %d)", pgid)
-        os.killpg(pgid, signal.SIGTERM)
-        try:
-            self.process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("SGLang runtime ignored SIGTERM; killing it")
+        # The process group is the server's pid (start_new_session), and outlives the server
+        # while a worker of it lives.
+        pgid = self.process.pid
+        if self.process.poll() is None:
+            logger.info("Stopping SGLang runtime (process group %d)", pgid)
+            os.killpg(pgid, signal.SIGTERM)
+            try:
+                self.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("SGLang runtime ignored SIGTERM; killing it")
         # Schedulers and detokenizers share the group; make sure none outlives us.
         try:
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         self.process.wait()
+
+
+def _workers_of(pid: int) -> list[tuple[psutil.Process, str]]:
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    titled = [(p, _title(p)) for p in children]
+    return [(p, title) for p, title in titled if title.startswith(_WORKER_TITLE)]
+
+
+def _title(process: psutil.Process) -> str:
+    try:
+        return " ".join(" ".join(process.cmdline()).split())  # setproctitle pads the title with spaces
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return "?"
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

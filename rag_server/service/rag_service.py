@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rag_server.linking.pipeline import LinkPipeline
-from rag_server.service.context_window import ContextLimits, PromptTooLong, ScoredPassage, fit_passages
+from rag_server.service.context_window import (ContextLimits, FittedPassages, PromptTooLong, ScoredPassage,
+                                               fit_passages)
 from retrieval.prompt_layout import DEFAULT_SYSTEM_PROMPT, CompiledPrompt, PromptLayout, Tokenizer
 from sglang_patches.link_hints import LinkRequest
 from sglang_patches.policies import Policy, PolicyError, PolicyFamily, parse_policy
@@ -184,10 +185,10 @@ class RagService:
             candidates, retrieval_ms = list(request.documents), 0.0
             if request.top_k is not None:
                 candidates = keep_best(candidates, request.top_k)
-        layout = self._layout(request)
         budget = self.limits.prompt_budget(request.max_tokens)
         try:
-            fitted = fit_passages(layout, request.question, candidates, budget)
+            # Templating and tokenizing a large input take a while: off the event loop.
+            fitted, prompt = await asyncio.to_thread(self._prompt, request, candidates, budget)
         except PromptTooLong as exc:
             raise RagRequestError(str(exc)) from exc
         warnings = []
@@ -196,8 +197,14 @@ class RagService:
                 f"dropped {len(fitted.dropped)} of {len(candidates)} passages (lowest scores first) "
                 f"to fit the context window: {budget} prompt tokens with max_tokens={request.max_tokens}"
             )
-        prompt = layout.build(request.question, [p.prompt_passage() for p in fitted.kept])
         return RagPlan(request, prompt, fitted.kept, fitted.dropped, warnings, retrieval_ms, started)
+
+    def _prompt(self, request: RagRequest, candidates: Sequence[ScoredPassage],
+                budget: int) -> tuple[FittedPassages, CompiledPrompt]:
+        """The passages that fit `budget` prompt tokens, and the prompt built from them."""
+        layout = self._layout(request)
+        fitted = fit_passages(layout, request.question, candidates, budget)
+        return fitted, layout.build(request.question, [p.prompt_passage() for p in fitted.kept])
 
     async def run(self, plan: RagPlan) -> AsyncIterator[str | RagResult]:
         """Text deltas as the runtime produces them, then the RagResult."""
