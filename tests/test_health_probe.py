@@ -11,10 +11,11 @@ import httpx
 
 from rag_server.api.app import create_app
 from rag_server.api.health import HealthMonitor
+from rag_server.api.upstream import MAX_CONNECTIONS
 from tests.fake_runtime import fake_runtime
 from tests.inprocess_frontend import frontend, serving
 
-FLOOD = 150  # more than the frontend's connections to the runtime (100)
+FLOOD = MAX_CONNECTIONS + 50  # more than the frontend's connections to the runtime
 
 
 def wait_for(condition, timeout_s: float = 30.0) -> None:

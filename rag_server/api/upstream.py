@@ -24,6 +24,9 @@ import httpx
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_FIRST_BYTE_TIMEOUT_S = 600.0
 DEFAULT_TOTAL_TIMEOUT_S = 3600.0
+# Connections to the runtime (httpx's default); a request waiting for one waits at most the
+# first-byte timeout. Admission keeps the requests in flight below it by default.
+MAX_CONNECTIONS = 100
 
 
 @dataclass(frozen=True)
@@ -106,9 +109,9 @@ class DeadlineTransport(httpx.AsyncBaseTransport):
         await self._inner.aclose()
 
 
-def runtime_client(base_url: str, timeouts: UpstreamTimeouts, max_connections: int | None = 100) -> httpx.AsyncClient:
+def runtime_client(base_url: str, timeouts: UpstreamTimeouts) -> httpx.AsyncClient:
     """A client to the runtime at `base_url` whose every call is bounded by `timeouts`."""
-    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+    limits = httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_CONNECTIONS)
     return httpx.AsyncClient(
         base_url=base_url,
         timeout=httpx.Timeout(timeouts.first_byte_s, connect=timeouts.connect_s),
