@@ -41,6 +41,20 @@ def _non_negative_int(text: str) -> int:
 _BYTE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be within [0, 1], not {text}")
+    return value
+
+
 def _byte_size(text: str) -> int:
     """Bytes, as a count with an optional K, M, G or T (binary) suffix: 500M, 20G."""
     number = text.strip().upper().removesuffix("B").removesuffix("I")
@@ -55,10 +69,11 @@ def _byte_size(text: str) -> int:
 
 
 def _policy_name(text: str) -> str:
-    from sglang_patches.policies import PolicyError, parse_policy
+    from rag_server.service.rag_service import NamedPolicy
+    from sglang_patches.policies import PolicyError
 
     try:
-        parse_policy(text)
+        NamedPolicy.parse(text)
     except PolicyError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
@@ -77,7 +92,9 @@ def _serve(args: argparse.Namespace) -> int:
     from rag_server.linking.policy_availability import default_policy, unavailable_policies
     from rag_server.service.rag_service import DEFAULT_POLICY
     from rag_server.launch.repair_checkpoint import choose_repair_checkpoint
-    from sglang_patches.policies import parse_policy
+    from rag_server.service.quality import QualitySettings
+    from rag_server.service.rag_service import NamedPolicy
+    from rag_server.service.shadow import ShadowSettings
 
     model_path = resolve_model(args.model)
     try:
@@ -106,7 +123,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     unavailable = unavailable_policies(runtime.config.attention_backend, repair_unavailable)
     policy = default_policy(args.default_policy, DEFAULT_POLICY, unavailable)
-    family = parse_policy(policy).family.name
+    family = NamedPolicy.parse(policy).family.name
     if family in unavailable:
         print(f"picrag serve: error: --default-policy {policy} is unavailable: "
               f"{unavailable[family]}", file=sys.stderr)
@@ -130,7 +147,9 @@ def _serve(args: argparse.Namespace) -> int:
                          max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                          timeouts=UpstreamTimeouts(args.runtime_connect_timeout, args.runtime_first_byte_timeout,
                                                    args.runtime_total_timeout),
-                         health_interval_s=args.health_interval)
+                         health_interval_s=args.health_interval,
+                         quality=QualitySettings(args.quality_target, args.calibration, repair_checkpoint,
+                                                 ShadowSettings(rate=args.shadow_rate)))
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                                timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
 
@@ -201,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     from rag_server.api.rag_api import MAX_BODY_BYTES as MAX_RAG_BODY_BYTES
     from rag_server.api.health import DEFAULT_INTERVAL_S
     from rag_server.api import upstream
+    from rag_server.service.quality import DEFAULT_QUALITY_TARGET
+    from rag_server.service.shadow import DEFAULT_SHADOW_RATE
 
     serve = commands.add_parser(
         "serve", help="start the SGLang runtime and the picrag HTTP frontend",
@@ -247,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--default-policy", default=None, type=_policy_name,
                        help="link policy of requests that name none (default "
                        f"{DEFAULT_POLICY}, or naive where the attention backend cannot mask by position): "
-                       + "; ".join(f"{f.syntax}: {f.summary}" for f in POLICY_FAMILIES.values()))
+                       + "; ".join(f"{f.syntax}: {f.summary}" for f in POLICY_FAMILIES.values())
+                       + "; auto: per request, the cheapest policy within --quality-target")
     serve.add_argument("--api-key", default=None, metavar="KEY",
                        help=f"require `Authorization: Bearer KEY` (or `X-API-Key: KEY`) on every route "
                        f"but /health (default: ${API_KEY_ENV}, which keeps the key out of `ps`; "
@@ -281,6 +303,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--health-interval", type=_positive_float, default=DEFAULT_INTERVAL_S, metavar="S",
                        help=f"seconds between the probes of the runtime that /health reports "
                        f"(default {DEFAULT_INTERVAL_S:g})")
+    serve.add_argument("--quality-target", type=_non_negative_float, default=DEFAULT_QUALITY_TARGET, metavar="KL",
+                       help="policy `auto` serves each request with the cheapest policy whose expected "
+                       "first-token KL to full, for a prompt of its size, is at most KL (full when none is; "
+                       f"default {DEFAULT_QUALITY_TARGET:g})")
+    serve.add_argument("--calibration", type=Path, default=None, metavar="FILE",
+                       help="`auto`'s table of expected KL per policy and prompt size (default: the one "
+                       "shipped for the model in rag_server/calibration; `picrag bench quality "
+                       "--write-calibration` writes one)")
+    serve.add_argument("--shadow-rate", type=_fraction, default=DEFAULT_SHADOW_RATE, metavar="R",
+                       help="fraction of requests served by a chunk-reusing policy that are also run as full "
+                       "for one token in the background, to measure first-token KL and agreement "
+                       f"(GET /picrag/quality, /picrag/metrics; default {DEFAULT_SHADOW_RATE:g}; 0: off)")
     serve.set_defaults(func=_serve)
 
     ask = commands.add_parser(

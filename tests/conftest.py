@@ -129,7 +129,8 @@ def picrag_server(default_model_dir: Path, zero_repair_checkpoint: Path, tmp_pat
     log = tmp_path_factory.mktemp("server") / "server.log"
     handle = start_picrag_server(
         log,
-        ["--max-total-tokens", "16384", "--repair-checkpoint", str(zero_repair_checkpoint),
+        # No shadow samples: tests count the requests and reused tokens the runtime sees.
+        ["--max-total-tokens", "16384", "--repair-checkpoint", str(zero_repair_checkpoint), "--shadow-rate", "0",
          *shlex.split(os.environ.get("PICRAG_TEST_SERVER_ARGS", ""))],
     )
     yield handle

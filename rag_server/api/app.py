@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 
-from rag_server.api import health, native_routes, openai_chat, proxy, rag_api
+from rag_server.api import health, native_routes, openai_chat, proxy, quality_routes, rag_api
 from rag_server.api.admission import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_QUEUE, Admission
 from rag_server.api.auth import AccessGuard
 from rag_server.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
@@ -25,6 +25,7 @@ from rag_server.api.health import DEFAULT_INTERVAL_S, HealthMonitor
 from rag_server.api.state import Frontend, FrontendSettings
 from rag_server.api.upstream import UpstreamTimeouts
 from rag_server.api.validation_errors import validation_error
+from rag_server.service.quality import QualitySettings
 from rag_server.service.rag_service import DEFAULT_POLICY, NamedPolicy
 from sglang_patches.policies import PolicyError
 
@@ -44,6 +45,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     timeouts: UpstreamTimeouts = UpstreamTimeouts(),
     health_interval_s: float = DEFAULT_INTERVAL_S,
+    quality: QualitySettings = QualitySettings(),
 ) -> FastAPI:
     """The frontend for a runtime that is already up. `model_path` (default: the runtime's)
     gives the tokenizer and context window; `index_dir` the passage index to retrieve from.
@@ -54,7 +56,8 @@ def create_app(
     `max_body_bytes` are refused (rag_server/api/body_limit.py); `timeouts` bound every call to
     the runtime (rag_server/api/upstream.py); `/health` reports the runtime's state as probed
     every `health_interval_s` (rag_server/api/health.py). `unavailable_policies`: policy family ->
-    why this server refuses it (cacherepair without a checkpoint for the model)."""
+    why this server refuses it (cacherepair without a checkpoint for the model). `quality`: the
+    `auto` policy's target and table, and shadow sampling (rag_server/service/quality.py)."""
     unavailable = dict(unavailable_policies or {})
     try:
         default = NamedPolicy.parse(default_policy)
@@ -62,12 +65,12 @@ def create_app(
         raise ValueError(f"default policy: {exc}") from exc
     if default.family.name in unavailable:
         raise ValueError(f"default policy {default_policy!r} is unavailable: {unavailable[default.family.name]}")
-    settings = FrontendSettings(runtime_url, default, model_path, index_dir, unavailable, timeouts)
+    settings = FrontendSettings(runtime_url, default, model_path, index_dir, unavailable, timeouts, quality)
 
     app = FastAPI(title="picrag", version="0.1.0", lifespan=lambda app: _running(app, settings))
     app.state.health = HealthMonitor(runtime_url, health_interval_s, timeouts.connect_s)
     app.add_exception_handler(RequestValidationError, validation_error)
-    for routes in (health, rag_api, openai_chat, native_routes, proxy):
+    for routes in (health, rag_api, openai_chat, quality_routes, native_routes, proxy):
         app.include_router(routes.router)
 
     # Added innermost first. CORS outermost, so that preflights (which carry no key) are

@@ -125,7 +125,8 @@ def _validation_message(exc: ValidationError) -> str:
 
 def _picrag_extra(plan: RagPlan, result: RagResult) -> dict[str, Any]:
     answer = RagAnswer.of(plan, result).model_dump()
-    return {key: answer[key] for key in ("sources", "dropped", "warnings", "usage", "timings", "policy")}
+    return {key: answer[key] for key in ("sources", "dropped", "warnings", "usage", "timings", "policy",
+                                               "policy_reason")}
 
 
 def _openai_usage(result: RagResult) -> dict[str, int]:

@@ -85,7 +85,8 @@ class RagQuery(BaseModel):
         f"passages to retrieve (default {DEFAULT_TOP_K}); with `documents`, keep the best top_k of them"))
     documents: list[Document] | None = Field(None, min_length=1, max_length=MAX_DOCUMENTS, description=(
         "passages to answer from; omit to retrieve from the server's index"))
-    policy: PolicyName | None = Field(None, description="KV link policy (default: the server's)")
+    policy: PolicyName | None = Field(None, description=(
+        "KV link policy (default: the server's); `auto`: the cheapest within the server's quality target"))
     max_tokens: int = Field(DEFAULT_MAX_TOKENS, gt=0, le=MAX_NEW_TOKENS)
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     stream: bool = False
@@ -135,7 +136,8 @@ class RagAnswer(BaseModel):
     warnings: list[str]
     usage: Usage
     timings: Timings
-    policy: str
+    policy: str = Field(description="the policy that served the answer (`auto`: the one it chose)")
+    policy_reason: str | None = Field(None, description="why `auto` chose it; null for a named policy")
 
     @classmethod
     def of(cls, plan: RagPlan, result: RagResult) -> RagAnswer:
@@ -148,6 +150,7 @@ class RagAnswer(BaseModel):
             usage=Usage(**vars(result.usage)),
             timings=Timings(**vars(result.timings)),
             policy=plan.request.policy.name,
+            policy_reason=plan.policy_reason,
         )
 
 

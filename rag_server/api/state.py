@@ -18,6 +18,7 @@ from rag_server.api.upstream import UpstreamTimeouts, runtime_client
 from rag_server.linking.chunk_compiler import ChunkCompiler
 from rag_server.linking.pipeline import LinkPipeline
 from rag_server.service.context_window import ContextLimits
+from rag_server.service.quality import QualityControl, QualitySettings
 from rag_server.service.rag_service import NamedPolicy, RagService
 
 
@@ -29,6 +30,7 @@ class FrontendSettings:
     index_dir: Optional[Path] = None
     unavailable_policies: Mapping[str, str] = field(default_factory=dict)  # family -> why not here
     timeouts: UpstreamTimeouts = UpstreamTimeouts()  # every call to the runtime
+    quality: QualitySettings = QualitySettings()  # `auto` and shadow sampling
 
 
 @dataclass
@@ -55,6 +57,7 @@ class Frontend:
                 retriever=retriever,
                 default_policy=settings.default_policy,
                 unavailable_policies=settings.unavailable_policies,
+                quality=await asyncio.to_thread(QualityControl.open, settings.quality, model_dir, pipeline),
             )
         except BaseException:
             await client.aclose()
@@ -63,6 +66,7 @@ class Frontend:
                    leading_special_tokens(tokenizer))
 
     async def aclose(self) -> None:
+        await self.rag.quality.shadow.aclose()
         await self.client.aclose()
 
 

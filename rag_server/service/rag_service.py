@@ -8,14 +8,17 @@ and take the same compile-then-link path to the runtime.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rag_server.linking.pipeline import LinkPipeline
+from rag_server.linking.pipeline import LinkPipeline, Linked
+from rag_server.service.auto_policy import AUTO
 from rag_server.service.context_window import (ContextLimits, FittedPassages, PromptTooLong, ScoredPassage,
                                                fit_passages)
+from rag_server.service.quality import QualityControl, QualitySettings
 from retrieval.prompt_layout import DEFAULT_SYSTEM_PROMPT, CompiledPrompt, PromptLayout, Tokenizer
 from sglang_patches.link_hints import LinkRequest
 from sglang_patches.policies import Policy, PolicyError, PolicyFamily, parse_policy
@@ -37,13 +40,19 @@ class RagRequestError(ValueError):
 @dataclass(frozen=True)
 class NamedPolicy:
     """A policy parsed once, where a request or the server's settings name it; answers report
-    it as it was named ('legolink', where the policy's canonical name is 'legolink:16')."""
+    it as it was named ('legolink', where the policy's canonical name is 'legolink:16').
+
+    `auto` (rag_server/service/auto_policy.py) is chosen per request once the prompt is built;
+    until then `policy` holds its fallback, `full`."""
 
     name: str
     policy: Policy
+    auto: bool = False
 
     @classmethod
     def parse(cls, name: str) -> NamedPolicy:
+        if name == AUTO:
+            return cls(name, parse_policy("full"), auto=True)
         return cls(name, parse_policy(name))
 
     @property
@@ -72,6 +81,7 @@ class RagPlan:
     warnings: list[str]
     retrieval_ms: float
     started: float  # perf_counter() when the request arrived
+    policy_reason: str | None = None  # why `auto` served request.policy
 
 
 @dataclass(frozen=True)
@@ -139,6 +149,7 @@ class RagService:
         retriever: Retriever | None = None,
         default_policy: NamedPolicy | None = None,  # None: DEFAULT_POLICY
         unavailable_policies: Mapping[str, str] | None = None,
+        quality: QualityControl | None = None,  # None: no calibration table, no shadow sampling
     ):
         self.tokenizer = tokenizer
         self.pipeline = pipeline
@@ -147,6 +158,8 @@ class RagService:
         self.default_policy = default_policy or NamedPolicy.parse(DEFAULT_POLICY)
         self.unavailable_policies = dict(unavailable_policies or {})  # family name -> why not
         self.layout = PromptLayout(tokenizer)
+        self.quality = quality or QualityControl.open(QualitySettings(), None, pipeline)
+        self._running = 0  # run()s in flight: shadow samples wait for a quieter moment
 
     def check_available(self, family: PolicyFamily) -> None:
         """Raises PolicyError for a policy family this server cannot run (cacherepair without a
@@ -197,7 +210,12 @@ class RagService:
                 f"dropped {len(fitted.dropped)} of {len(candidates)} passages (lowest scores first) "
                 f"to fit the context window: {budget} prompt tokens with max_tokens={request.max_tokens}"
             )
-        return RagPlan(request, prompt, fitted.kept, fitted.dropped, warnings, retrieval_ms, started)
+        reason = None
+        if request.policy.auto:
+            choice = self.quality.auto.choose(len(prompt.input_ids), self.unavailable_policies)
+            request = dataclasses.replace(request, policy=NamedPolicy(choice.policy.name, choice.policy))
+            reason = choice.reason
+        return RagPlan(request, prompt, fitted.kept, fitted.dropped, warnings, retrieval_ms, started, reason)
 
     def _prompt(self, request: RagRequest, candidates: Sequence[ScoredPassage],
                 budget: int) -> tuple[FittedPassages, CompiledPrompt]:
@@ -214,7 +232,18 @@ class RagService:
         sampling = {**request.sampling, "max_new_tokens": request.max_tokens}
         # Always streamed: the first token is seen when it is produced, so TTFT is measured for
         # streaming and non-streaming clients alike.
-        linked = await self.pipeline.generate(prompt.input_ids, link, {"sampling_params": sampling, "stream": True})
+        self._running += 1
+        try:
+            linked = await self.pipeline.generate(prompt.input_ids, link, {"sampling_params": sampling, "stream": True})
+            async for event in self._answer(plan, linked):
+                yield event
+        finally:
+            self._running -= 1
+        # Once the answer is complete: the shadow pair runs as requests of its own.
+        self.quality.shadow.offer(prompt.input_ids, link, self._running)
+
+    async def _answer(self, plan: RagPlan, linked: Linked) -> AsyncIterator[str | RagResult]:
+        prompt = plan.prompt
         answer: list[str] = []
         meta: dict[str, Any] = {}
         first_token_at: float | None = None

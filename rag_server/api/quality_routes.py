@@ -1,0 +1,34 @@
+"""`GET /picrag/quality` (JSON) and `GET /picrag/metrics` (Prometheus): the first-token quality that
+shadow sampling measures on live traffic (rag_server/service/shadow.py), its cost, and how `auto`
+decides (rag_server/service/auto_policy.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from rag_server.api.state import frontend
+
+router = APIRouter(tags=["quality"])
+
+
+@router.get("/picrag/quality")
+async def quality(request: Request) -> dict[str, Any]:
+    """Per policy and prompt-size bucket, all-time and recent: shadow samples, mean first-token KL
+    to full (a lower bound) and agreement; the shadow cost; `auto`'s target and table."""
+    control = frontend(request).rag.quality
+    auto = control.auto
+    return {
+        **control.record.as_json(),
+        "shadow_settings": vars(control.shadow.settings),
+        "auto": {"quality_target": auto.target, "min_samples": auto.min_samples,
+                 "calibration": auto.table.as_json() if auto.table else None},
+    }
+
+
+@router.get("/picrag/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(frontend(request).rag.quality.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,145 @@
+"""Shadow sampling: a sampled request served by a chunk-reusing policy is also run as `full`, for
+one token, in the background, to measure the policy's first-token quality on live traffic.
+
+After the user's answer has ended, a fraction `rate` of the requests whose policy reuses chunks
+gets a shadow pair: `full` for one greedy token with its top-k first-token logprobs, then the
+user's own link (same prompt, same policy) for one token with its logprobs of exactly those k ids
+(SGLang's `token_ids_logprob`). Their first-token KL and agreement go to the QualityRecord
+(rag_server/service/first_token_quality.py). Nothing of this touches the user's request: the
+shadow starts once the answer is complete, runs as its own requests, and its failures are only
+counted.
+
+Cost bound: SGLang 0.5.23 takes a request `priority`, but its scheduler ignores it unless started
+with --enable-priority-scheduling (which also changes how every other request is scheduled), so
+shadows are kept low-priority by capacity instead: at most `max_concurrent` shadow pairs run at
+once, and none starts while more than `busy_requests` RAG requests are in flight; a sampled
+request refused for either reason is counted as skipped. The full prefill of the prompt is the
+cost of a pair (the policy side computes only what the policy computes); both are counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from rag_server.linking.pipeline import GenerationError, LinkPipeline
+from rag_server.service.first_token_quality import QualityRecord, Sample, first_token_kl
+from sglang_patches.link_hints import LinkRequest
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SHADOW_RATE = 0.02
+DEFAULT_MAX_CONCURRENT = 1
+DEFAULT_BUSY_REQUESTS = 2
+DEFAULT_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class ShadowSettings:
+    # Fraction of reuse-policy requests shadowed. Off unless asked (`picrag serve` asks for
+    # DEFAULT_SHADOW_RATE): an embedding app or a test sees no requests it did not send.
+    rate: float = 0.0
+    max_concurrent: int = DEFAULT_MAX_CONCURRENT  # shadow pairs running at once
+    busy_requests: int = DEFAULT_BUSY_REQUESTS  # no shadow starts while more RAG requests run
+    top_logprobs: int = DEFAULT_TOP_LOGPROBS  # k of the KL bound
+
+    def __post_init__(self):
+        if not 0.0 <= self.rate <= 1.0:
+            raise ValueError(f"shadow rate must be within [0, 1], not {self.rate}")
+        if self.max_concurrent < 1 or self.busy_requests < 0 or self.top_logprobs < 1:
+            raise ValueError(f"bad shadow settings: {self}")
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    token: int  # the greedy first token
+    logprobs: dict[int, float]  # asked ids (top-k or the probe's) -> logprob
+    computed_tokens: int  # prompt tokens the runtime computed
+
+
+def first_token(body: bytes) -> FirstToken:
+    """The first output position of a non-streamed /generate answer asked with return_logprob."""
+    data = json.loads(body)
+    meta = (data[0] if isinstance(data, list) else data)["meta_info"]
+    key = "output_top_logprobs" if meta.get("output_top_logprobs") else "output_token_ids_logprobs"
+    details = meta.get("cached_tokens_details") or {}
+    prompt_tokens = int(meta.get("prompt_tokens", 0))
+    reused = int(details.get("picrag_reused_tokens", meta.get("cached_tokens", 0)))
+    return FirstToken(
+        token=int(meta["output_token_logprobs"][0][1]),
+        logprobs={int(entry[1]): float(entry[0]) for entry in meta[key][0]},
+        computed_tokens=int(details.get("picrag_computed_tokens", prompt_tokens - reused)),
+    )
+
+
+def policy_name(link: LinkRequest) -> str:
+    """The canonical name of the policy `link` is served with ('legolink:16')."""
+    family = link.family
+    return family.policy(getattr(link, family.param) if family.param else None).name
+
+
+class ShadowSampler:
+    def __init__(self, pipeline: LinkPipeline, record: QualityRecord, settings: ShadowSettings = ShadowSettings(),
+                 rng: Optional[random.Random] = None):
+        self.pipeline = pipeline
+        self.record = record
+        self.settings = settings
+        self._rng = rng or random.Random()
+        self._tasks: set[asyncio.Task] = set()
+
+    def offer(self, input_ids: Sequence[int], link: LinkRequest, in_flight: int) -> bool:
+        """Maybe start a shadow pair for a request answered with `link`, `in_flight` RAG requests
+        running; True when one started."""
+        if not (link.family.reuses_chunks and link.chunks) or self._rng.random() >= self.settings.rate:
+            return False
+        if len(self._tasks) >= self.settings.max_concurrent or in_flight > self.settings.busy_requests:
+            self.record.cost.skipped_capacity += 1
+            return False
+        task = asyncio.create_task(self._shadow(list(input_ids), link, policy_name(link)))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return True
+
+    async def drain(self) -> None:
+        """Wait for the running shadows (tests; shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await self.drain()
+
+    async def _shadow(self, input_ids: list[int], link: LinkRequest, policy: str) -> None:
+        cost = self.record.cost
+        cost.sent += 1
+        try:
+            full = await self._one_token(input_ids, LinkRequest.of("full", link.chunks),
+                                         {"top_logprobs_num": self.settings.top_logprobs})
+            cost.prefilled_tokens += full.computed_tokens
+            probe = await self._one_token(input_ids, link, {"token_ids_logprob": list(full.logprobs)})
+            cost.prefilled_tokens += probe.computed_tokens
+        except (GenerationError, ValueError, KeyError, IndexError, TypeError) as exc:
+            cost.failed += 1
+            logger.warning("shadow sample of %s failed: %s", policy, exc)
+            return
+        kl = first_token_kl(full.logprobs, probe.logprobs)
+        if kl is None:
+            cost.failed += 1
+            logger.warning("shadow sample of %s: the probe did not return full's top-k ids", policy)
+            return
+        self.record.add(Sample(policy, len(input_ids), kl, probe.token == full.token))
+
+    async def _one_token(self, input_ids: list[int], link: LinkRequest, logprob_fields: dict[str, Any]) -> FirstToken:
+        fields = {"sampling_params": {"max_new_tokens": 1, "temperature": 0.0}, "stream": False,
+                  "return_logprob": True, "logprob_start_len": -1, **logprob_fields}
+        linked = await self.pipeline.generate(input_ids, link, fields)
+        if linked.response.status_code != 200:
+            raise GenerationError(f"runtime answered {linked.response.status_code}: "
+                                  f"{linked.head[:300].decode(errors='replace')}")
+        return first_token(linked.head)

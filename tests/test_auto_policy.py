@@ -1,0 +1,161 @@
+"""The `auto` policy: the cheapest policy whose expected first-token KL for the prompt's size is
+within the target, from a calibration table that shadow samples overrule; `full` otherwise."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from rag_server.cli import build_parser
+from rag_server.service.auto_policy import (CALIBRATION_DIR, AutoPolicy, CalibrationError, CalibrationTable,
+                                            shipped_table)
+from rag_server.service.context_window import ContextLimits, ScoredPassage
+from rag_server.service.first_token_quality import QualityRecord, Sample
+from rag_server.service.quality import QualityControl, QualitySettings
+from rag_server.service.rag_service import NamedPolicy, RagRequest, RagService
+from rag_server.launch.repair_checkpoint import SHIPPED_DIR
+
+TABLE = CalibrationTable(
+    model="test",
+    cost_order=("naive", "legolink:2", "cacherepair", "legolink:16"),
+    kl={"naive": {"<512": 0.1, ">=2048": 0.6},
+        "legolink:2": {"<512": 0.15, "1024-2048": 0.3, ">=2048": 0.5},
+        "cacherepair": {"1024-2048": 0.2, ">=2048": 0.4},
+        "legolink:16": {"1024-2048": 0.12, ">=2048": 0.25}},
+)
+
+
+def test_target_zero_serves_full():
+    for tokens in (100, 700, 1500, 5000):
+        choice = AutoPolicy(0.0, TABLE).choose(tokens)
+        assert choice.policy.name == "full"
+        assert choice.reason.startswith("auto: full (no policy within target 0 for ")
+
+
+def test_an_unbounded_target_serves_the_fastest_available_policy():
+    auto = AutoPolicy(math.inf, TABLE)
+    assert {auto.choose(tokens).policy.name for tokens in (100, 700, 1500, 5000)} == {"naive"}
+    assert auto.choose(1500, {"naive": "refused"}).policy.name == "legolink:2"
+    assert auto.choose(1500, {"naive": "x", "legolink": "no position masks"}).policy.name == "cacherepair"
+    for model in ("smollm2-135m", "qwen2.5-coder-0.5b"):
+        shipped = shipped_table(Path("/models") / model, SHIPPED_DIR / model)
+        assert AutoPolicy(math.inf, shipped).choose(1500).policy.name == shipped.cost_order[0] == "naive"
+
+
+def test_a_given_table_picks_as_specified():
+    auto = AutoPolicy(0.2, TABLE)
+    # <512: naive 0.1 qualifies at once.
+    assert auto.choose(300).reason == "auto: naive (expected KL 0.100 <= target 0.2 for <512 tokens; calibration table)"
+    # 512-1024 was not measured: each policy takes its nearest measured bucket (ties: the smaller).
+    # naive 0.1 (<512) qualifies.
+    assert auto.choose(700).policy.name == "naive"
+    assert "nearest measured size <512" in auto.choose(700).reason
+    # 1024-2048: naive takes >=2048 (0.6) and fails, legolink:2 0.3 fails, cacherepair 0.2 qualifies.
+    choice = auto.choose(1500)
+    assert choice.policy.name == "cacherepair"
+    assert choice.reason == "auto: cacherepair (expected KL 0.200 <= target 0.2 for 1024-2048 tokens; calibration table)"
+    # >=2048: nothing within 0.2; the lowest expected is named.
+    choice = auto.choose(4000)
+    assert choice.policy.name == "full"
+    assert choice.reason == "auto: full (no policy within target 0.2 for >=2048 tokens; lowest expected: legolink:16 0.250)"
+    assert AutoPolicy(0.3, TABLE).choose(4000).policy.name == "legolink:16"
+    # A refused family is never picked, even when it would qualify.
+    assert AutoPolicy(0.2, TABLE).choose(1500, {"cacherepair": "no checkpoint"}).policy.name == "legolink:16"
+
+
+def test_shadow_samples_that_contradict_the_table_move_the_choice():
+    record = QualityRecord()
+    auto = AutoPolicy(0.2, TABLE, record, min_samples=3)
+    assert auto.choose(300).policy.name == "naive"
+    # Live traffic shows naive far worse than calibrated on short prompts: after min_samples of
+    # them, the next policy within target serves.
+    for _ in range(2):
+        record.add(Sample("naive", 300, 0.9, False))
+    assert auto.choose(300).policy.name == "naive"  # fewer than min_samples: the table still rules
+    record.add(Sample("naive", 400, 0.9, False))
+    choice = auto.choose(300)
+    assert choice.policy.name == "legolink:2"
+    assert choice.reason == "auto: legolink:2 (expected KL 0.150 <= target 0.2 for <512 tokens; calibration table)"
+    # Samples of another bucket leave this one alone.
+    assert auto.choose(700).policy.name == "naive"
+    # And samples better than the table let a cheaper policy in.
+    for _ in range(3):
+        record.add(Sample("naive", 3000, 0.05, True))
+    choice = auto.choose(3000)
+    assert choice.policy.name == "naive"
+    assert choice.reason == "auto: naive (expected KL 0.050 <= target 0.2 for >=2048 tokens; mean of 3 shadow samples)"
+
+
+def test_shipped_tables_read_and_drop_repair_rows_without_their_checkpoint():
+    for path in sorted(CALIBRATION_DIR.glob("*.json")):
+        table = CalibrationTable.read(path)
+        assert table.model == path.stem and table.repair_checkpoint == path.stem
+        assert (SHIPPED_DIR / table.repair_checkpoint / "config.json").is_file()
+        assert "cacherepair" in shipped_table(Path("/m") / path.stem, SHIPPED_DIR / path.stem).cost_order
+        for other in (None, Path("/elsewhere") / path.stem):
+            assert "cacherepair" not in shipped_table(Path("/m") / path.stem, other).cost_order
+    assert shipped_table(Path("/m/unknown-model"), None) is None
+    assert {p.stem for p in CALIBRATION_DIR.glob("*.json")} == {"smollm2-135m", "qwen2.5-coder-0.5b"}
+
+
+def test_bad_tables_are_refused(tmp_path):
+    with pytest.raises(CalibrationError, match="not written canonically"):
+        CalibrationTable("m", ("legolink",), {"legolink": {"<512": 0.1}})
+    with pytest.raises(CalibrationError, match="unknown buckets"):
+        CalibrationTable("m", ("naive",), {"naive": {"<100": 0.1}})
+    with pytest.raises(CalibrationError, match="no KL row"):
+        CalibrationTable("m", ("naive",), {})
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"model": "m", "cost_order": ["bogus"], "kl": {"bogus": {}}}))
+    with pytest.raises(CalibrationError, match="unknown policy"):
+        CalibrationTable.read(path)
+    path.write_text(json.dumps(TABLE.as_json()))
+    assert CalibrationTable.read(path) == TABLE
+
+
+def test_auto_is_a_policy_name_at_every_edge():
+    from rag_server.api.openai_chat import PicragExtension
+    from rag_server.api.rag_api import RagQuery
+
+    auto = NamedPolicy.parse("auto")
+    assert auto.auto and auto.name == "auto" and auto.policy.name == "full"
+    assert not NamedPolicy.parse("naive").auto
+    assert RagQuery(question="q?", policy="auto").policy.auto
+    assert PicragExtension(policy="auto").policy.auto
+    assert build_parser().parse_args(["serve", "--default-policy", "auto"]).default_policy == "auto"
+    args = build_parser().parse_args(["serve", "--quality-target", "0.25", "--shadow-rate", "0"])
+    assert (args.quality_target, args.shadow_rate) == (0.25, 0.0)
+    for bad in (["--quality-target", "-1"], ["--shadow-rate", "1.5"], ["--default-policy", "autox"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", *bad])
+
+
+PASSAGES = [ScoredPassage("a", "A", "Alpha is the first letter. " * 5), ScoredPassage("b", "B", "Beta comes next.")]
+
+
+def test_rag_service_serves_auto_with_the_chosen_policy_and_says_why(tokenizer, tmp_path):
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(TABLE.as_json()))
+
+    def plan(target: float, unavailable=None):
+        quality = QualityControl.open(QualitySettings(target=target, calibration=path), None, None)
+        service = RagService(tokenizer, pipeline=None, limits=ContextLimits(8192, 8186), quality=quality,
+                             unavailable_policies=unavailable)
+        return asyncio.run(service.plan(RagRequest("Which letter?", NamedPolicy.parse("auto"), 8, documents=PASSAGES)))
+
+    short = plan(math.inf)
+    assert len(short.prompt.input_ids) < 512
+    assert short.request.policy.name == "naive" and not short.request.policy.auto
+    assert short.policy_reason.startswith("auto: naive (expected KL 0.100 <= target inf for <512 tokens")
+    zero = plan(0.0)
+    assert zero.request.policy.name == "full" and zero.request.policy.family.name == "full"
+    assert zero.policy_reason.startswith("auto: full (no policy within target 0")
+    assert plan(0.11, {"naive": "refused"}).request.policy.name == "full"
+    assert plan(0.12, {"naive": "refused"}).request.policy.name == "legolink:16"
+    named = asyncio.run(RagService(tokenizer, None, ContextLimits(8192, 8186)).plan(
+        RagRequest("Which letter?", NamedPolicy.parse("legolink:4"), 8, documents=PASSAGES)))
+    assert named.request.policy.name == "legolink:4" and named.policy_reason is None

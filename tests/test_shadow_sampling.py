@@ -1,0 +1,210 @@
+"""Shadow sampling: sampled reuse-policy requests also run as `full` for one token, in the
+background; first-token KL and agreement per policy and prompt-size bucket, the cost, the
+metrics, and (on the shared server) an answer that shadowing never changes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from rag_server.service.first_token_quality import (QualityRecord, Sample, bucket_labels, first_token_kl,
+                                                    size_bucket)
+from rag_server.service.quality_metrics import QualityMetrics
+from rag_server.service.shadow import ShadowSampler, ShadowSettings, first_token, policy_name
+from sglang_patches.link_hints import LinkRequest
+
+CHUNKS = [(10, 40), (40, 90)]
+PROMPT = list(range(100))
+FULL_TOP = {5: math.log(0.6), 7: math.log(0.3)}
+PROBE = {5: math.log(0.3), 7: math.log(0.6)}
+
+
+def test_buckets_and_the_kl_bound():
+    assert bucket_labels() == ["<512", "512-1024", "1024-2048", ">=2048"]
+    assert [size_bucket(n) for n in (0, 511, 512, 1023, 1024, 2047, 2048, 10**6)] == [
+        "<512", "<512", "512-1024", "512-1024", "1024-2048", "1024-2048", ">=2048", ">=2048"]
+    assert first_token_kl(FULL_TOP, FULL_TOP) == 0.0
+    # 0.6 ln(0.6/0.3) + 0.3 ln(0.3/0.6) + 0.1 ln(0.1/0.1) = 0.3 ln 2
+    assert first_token_kl(FULL_TOP, PROBE) == pytest.approx(0.3 * math.log(2))
+    assert first_token_kl(FULL_TOP, {5: 0.0}) is None and first_token_kl({}, {}) is None
+
+
+@dataclass
+class _Response:
+    status_code: int
+
+
+@dataclass
+class _Linked:
+    response: _Response
+    head: bytes
+
+
+def _answer(token: int, key: str, logprobs: dict[int, float], prompt: int, computed: int | None = None) -> bytes:
+    meta = {"prompt_tokens": prompt, "output_token_logprobs": [[logprobs.get(token, -1.0), token, None]],
+            key: [[[lp, tid, None] for tid, lp in logprobs.items()]]}
+    if computed is not None:
+        meta["cached_tokens_details"] = {"picrag_computed_tokens": computed, "picrag_reused_tokens": prompt - computed}
+    return json.dumps({"text": "x", "meta_info": meta}).encode()
+
+
+class FakePipeline:
+    """`full` answers token 5 with FULL_TOP; any other policy token 7 with PROBE; a gate
+    holds every request until released, to test the concurrency cap."""
+
+    def __init__(self, status: int = 200):
+        self.calls: list[tuple[str, dict]] = []
+        self.status = status
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def generate(self, input_ids, link, fields):
+        await self.gate.wait()
+        self.calls.append((link.policy, dict(fields)))
+        if link.policy == "full":
+            return _Linked(_Response(self.status), _answer(5, "output_top_logprobs", FULL_TOP, len(input_ids)))
+        return _Linked(_Response(self.status), _answer(7, "output_token_ids_logprobs", PROBE, len(input_ids), 12))
+
+
+def _sampler(rate=1.0, status=200, **settings):
+    record = QualityRecord(window=2)
+    pipeline = FakePipeline(status)
+    return ShadowSampler(pipeline, record, ShadowSettings(rate=rate, **settings), random.Random(0)), pipeline, record
+
+
+def test_a_shadow_pair_records_kl_agreement_and_its_cost():
+    async def run():
+        sampler, pipeline, record = _sampler(top_logprobs=7)
+        link = LinkRequest.of("legolink:4", CHUNKS)
+        assert sampler.offer(PROMPT, link, in_flight=0)
+        await sampler.drain()
+        return pipeline, record
+
+    pipeline, record = asyncio.run(run())
+    (full_policy, full), (probe_policy, probe) = pipeline.calls
+    assert (full_policy, probe_policy) == ("full", "legolink")
+    assert full["sampling_params"] == {"max_new_tokens": 1, "temperature": 0.0} and full["top_logprobs_num"] == 7
+    assert full["return_logprob"] and not full["stream"] and probe["token_ids_logprob"] == [5, 7]
+    assert record.observed("legolink:4", "<512") == (1, pytest.approx(0.3 * math.log(2)))
+    view = record.as_json()
+    cell = view["policies"]["legolink:4"]["<512"]
+    assert cell["all_time"] == cell["recent"] == {"count": 1, "mean_kl": pytest.approx(0.3 * math.log(2)),
+                                                   "agreement_rate": 0.0}
+    # full computes the whole prompt; the policy side what the engine reports it computed.
+    assert view["shadow_cost"] == {"sent": 1, "prefilled_tokens": 100 + 12, "skipped_capacity": 0, "failed": 0}
+
+
+def test_rate_policy_and_capacity_bound_the_shadows():
+    async def run():
+        sampler, pipeline, record = _sampler(rate=0.0)
+        assert not sampler.offer(PROMPT, LinkRequest.of("naive", CHUNKS), 0)
+        sampler, pipeline, record = _sampler()
+        # Policies that reuse no chunk, and prompts without chunks, have nothing to compare.
+        assert not sampler.offer(PROMPT, LinkRequest.of("full", CHUNKS), 0)
+        assert not sampler.offer(PROMPT, LinkRequest.of("prefix", CHUNKS), 0)
+        assert not sampler.offer(PROMPT, LinkRequest.of("naive", []), 0)
+        # Busy: more RAG requests in flight than busy_requests.
+        assert not sampler.offer(PROMPT, LinkRequest.of("naive", CHUNKS), in_flight=3)
+        assert record.cost.skipped_capacity == 1
+        # One shadow at a time: a second offer while the first waits is skipped.
+        pipeline.gate.clear()
+        assert sampler.offer(PROMPT, LinkRequest.of("naive", CHUNKS), 0)
+        assert not sampler.offer(PROMPT, LinkRequest.of("naive", CHUNKS), 0)
+        pipeline.gate.set()
+        await sampler.drain()
+        assert sampler.offer(PROMPT, LinkRequest.of("naive", CHUNKS), 0)
+        await sampler.drain()
+        return record
+
+    record = asyncio.run(run())
+    assert vars(record.cost) == {"sent": 2, "prefilled_tokens": 2 * 112, "skipped_capacity": 2, "failed": 0}
+    assert record.observed("naive", "<512")[0] == 2
+
+
+def test_sampling_follows_the_rate():
+    async def run():
+        sampler, _, record = _sampler(rate=0.25)
+        started = 0
+        for _ in range(400):
+            started += sampler.offer(PROMPT, LinkRequest.of("naive", CHUNKS), 0)
+            await sampler.drain()
+        return started
+
+    assert 70 <= asyncio.run(run()) <= 130
+
+
+def test_a_failing_shadow_is_counted_and_records_nothing():
+    async def run():
+        sampler, _, record = _sampler(status=503)
+        assert sampler.offer(PROMPT, LinkRequest.of("naive", CHUNKS), 0)
+        await sampler.drain()
+        return record
+
+    record = asyncio.run(run())
+    assert vars(record.cost) == {"sent": 1, "prefilled_tokens": 0, "skipped_capacity": 0, "failed": 1}
+    assert record.as_json()["policies"] == {}
+
+
+def test_recent_window_and_metrics():
+    record = QualityRecord(window=2)
+    metrics = QualityMetrics(record)
+    for kl, agrees in ((0.9, False), (0.1, True), (0.3, True)):
+        record.add(Sample("cacheblend:0.15", 1500, kl, agrees))
+    cell = record.as_json()["policies"]["cacheblend:0.15"]["1024-2048"]
+    assert cell["all_time"] == {"count": 3, "mean_kl": pytest.approx(1.3 / 3), "agreement_rate": pytest.approx(2 / 3)}
+    assert cell["recent"] == {"count": 2, "mean_kl": pytest.approx(0.2), "agreement_rate": 1.0}
+    record.cost.sent = 3
+    text = metrics.exposition().decode()
+    labels = 'bucket="1024-2048",policy="cacheblend:0.15"'
+    assert f"picrag_shadow_first_token_kl_count{{{labels}}} 3.0" in text
+    assert 'picrag_shadow_first_token_kl_bucket{bucket="1024-2048",le="0.1",policy="cacheblend:0.15"} 1.0' in text
+    assert f"picrag_shadow_first_token_agreements_total{{{labels}}} 2.0" in text
+    assert "picrag_shadow_requests_total 3.0" in text and "picrag_shadow_skipped_capacity_total 0.0" in text
+
+
+def test_first_token_reads_sglang_answers():
+    parsed = first_token(_answer(7, "output_token_ids_logprobs", PROBE, 50, 9))
+    assert (parsed.token, parsed.logprobs, parsed.computed_tokens) == (7, PROBE, 9)
+    assert policy_name(LinkRequest.of("legolink", CHUNKS)) == "legolink:16"
+    assert policy_name(LinkRequest.of("cacheblend:0.3", CHUNKS)) == "cacheblend:0.3"
+
+
+DOCUMENTS = [{"title": "Oslo", "text": "Oslo is the capital of Norway. It lies at the head of the Oslofjord."},
+             {"title": "Bergen", "text": "Bergen is a city on the west coast of Norway, known for rain."}]
+
+
+@pytest.mark.server
+def test_shadow_sampling_never_changes_the_answer_and_fills_the_quality_view(picrag_server):
+    from rag_server.service.quality import QualitySettings
+    from tests.inprocess_frontend import frontend
+
+    query = {"question": "What is the capital of Norway?", "documents": DOCUMENTS, "policy": "naive",
+             "max_tokens": 12}
+    with frontend(picrag_server.url) as quiet_url:
+        with httpx.Client(base_url=quiet_url, timeout=600) as quiet:
+            unshadowed = quiet.post("/rag/query", json=query).json()
+            assert quiet.get("/picrag/quality").json()["shadow_cost"]["sent"] == 0
+    with frontend(picrag_server.url, quality=QualitySettings(shadow=ShadowSettings(rate=1.0))) as url:
+        with httpx.Client(base_url=url, timeout=600) as client:
+            shadowed = client.post("/rag/query", json=query).json()
+            deadline = time.monotonic() + 300
+            while (view := client.get("/picrag/quality").json())["shadow_cost"]["sent"] < 1 or not view["policies"]:
+                assert view["shadow_cost"]["failed"] == 0, view
+                assert time.monotonic() < deadline, view
+                time.sleep(0.5)
+            after = client.post("/rag/query", json=query).json()
+            metrics = client.get("/picrag/metrics").text
+    assert shadowed["answer"] == unshadowed["answer"] == after["answer"]
+    assert shadowed["policy"] == "naive" and shadowed["policy_reason"] is None
+    cell = view["policies"]["naive"][shadowed["usage"]["prompt_tokens"] < 512 and "<512" or "512-1024"]
+    assert cell["all_time"]["count"] == 1 and cell["all_time"]["mean_kl"] >= 0.0
+    assert cell["all_time"]["agreement_rate"] in (0.0, 1.0)
+    assert view["shadow_cost"]["prefilled_tokens"] >= shadowed["usage"]["prompt_tokens"]
+    assert "picrag_shadow_first_token_kl_count" in metrics and "picrag_shadow_requests_total" in metrics
