@@ -159,3 +159,31 @@ def test_rag_service_serves_auto_with_the_chosen_policy_and_says_why(tokenizer, 
     named = asyncio.run(RagService(tokenizer, None, ContextLimits(8192, 8186)).plan(
         RagRequest("Which letter?", NamedPolicy.parse("legolink:4"), 8, documents=PASSAGES)))
     assert named.request.policy.name == "legolink:4" and named.policy_reason is None
+
+
+def test_bench_quality_writes_a_calibration_table(tmp_path):
+    from rag_server.bench.quality import QuestionResult, calibration_table, summarise
+
+    def result(policy, prompt_tokens, kl, ttft):
+        return QuestionResult(id=str(prompt_tokens), policy=policy, answer="", em=0.0, f1=0.0, agrees_with_full=False,
+                              first_token_kl=kl, ttft_s=ttft, prompt_tokens=prompt_tokens, reused_tokens=0,
+                              computed_tokens=0, chunk_hits=0, chunk_misses=0)
+
+    results = []
+    for tokens in (300, 1500, 1700):
+        results += [result("full", tokens, 0.0, 4.0), result("prefix", tokens, 0.0, 3.0),
+                    result("legolink", tokens, 0.2 if tokens < 512 else 0.4, 1.0),
+                    result("naive", tokens, 0.5, 0.5), result("cacherepair", tokens, 0.3, 0.8)]
+    summary = summarise(results, ["full", "prefix", "legolink", "naive", "cacherepair"])
+    table = calibration_table(results, summary, "smollm2-135m", "a test run")
+    # Chunk-reusing policies only, fastest first, canonical names, KL per measured bucket.
+    assert table.cost_order == ("naive", "cacherepair", "legolink:16")
+    assert table.kl == {"naive": {"<512": 0.5, "1024-2048": 0.5}, "cacherepair": {"<512": 0.3, "1024-2048": 0.3},
+                        "legolink:16": {"<512": 0.2, "1024-2048": 0.4}}
+    assert table.repair_checkpoint == "smollm2-135m"
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(table.as_json()))
+    auto = AutoPolicy(0.35, CalibrationTable.read(path))
+    assert auto.choose(1600).policy.name == "cacherepair" and auto.choose(200).policy.name == "cacherepair"
+    assert AutoPolicy(0.25, CalibrationTable.read(path)).choose(200).policy.name == "legolink:16"
+    assert calibration_table(results, summary, "unknown-model", "x").repair_checkpoint is None

@@ -18,8 +18,8 @@ holds little mass.
 from __future__ import annotations
 
 import json
-import math
 import statistics
+from collections import defaultdict
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -51,6 +51,10 @@ from rag_server.bench.common import (
     warm_chunks,
 )
 from rag_server.bench.scoring import score_answer
+from rag_server.launch.repair_checkpoint import SHIPPED_DIR
+from rag_server.service.auto_policy import CalibrationTable
+from rag_server.service.first_token_quality import BUCKET_BOUNDS, first_token_kl, size_bucket
+from sglang_patches.policies import parse_policy
 
 REFERENCE = "full"
 
@@ -68,22 +72,7 @@ class QualityOptions:
     model: str | None = None
     port: int = 8031
     command: str = ""
-
-
-def first_token_kl(reference: dict[int, float], probe: dict[int, float]) -> float | None:
-    """KL(full || policy) over full's top-k token ids plus one bucket for all other tokens."""
-    if not reference or set(probe) != set(reference):
-        return None
-    kl, p_top, q_top = 0.0, 0.0, 0.0
-    for token, log_p in reference.items():
-        p, log_q = math.exp(log_p), probe[token]
-        kl += p * (log_p - log_q)
-        p_top += p
-        q_top += math.exp(log_q)
-    p_rest, q_rest = 1.0 - p_top, 1.0 - q_top
-    if p_rest > 1e-9:
-        kl += p_rest * math.log(p_rest / max(q_rest, 1e-12))
-    return max(kl, 0.0)
+    write_calibration: Path | None = None  # also write `auto`'s calibration table here
 
 
 @dataclass
@@ -160,6 +149,29 @@ def markdown_table(summary: dict[str, dict[str, Any]], unavailable: list[dict[st
              f"{fmt(s['ttft_speedup_vs_full'], 1)}x", fmt(s["computed_tokens_mean"], 0),
              fmt(s["reused_tokens_mean"], 0), fmt(s["chunk_hit_rate"])) for policy, s in summary.items()]
     return render_table(TABLE_COLUMNS, rows, unavailable)
+
+
+def calibration_table(results: list[QuestionResult], summary: dict[str, dict[str, Any]], model: str,
+                      source: str) -> CalibrationTable:
+    """`auto`'s table from a run: mean first-token KL per chunk-reusing policy and prompt-size
+    bucket, the policies ordered by their TTFT speed-up over full (fastest, i.e. cheapest, first).
+    Repairing policies are taken to have run with the checkpoint shipped for the model (what a
+    bench that starts its own server serves)."""
+    kls: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in results:
+        if r.first_token_kl is not None and parse_policy(r.policy).family.reuses_chunks:
+            kls[r.policy][size_bucket(r.prompt_tokens)].append(r.first_token_kl)
+    measured = [p for p in summary if p in kls and summary[p]["ttft_speedup_vs_full"] is not None]
+    measured.sort(key=lambda p: -summary[p]["ttft_speedup_vs_full"])
+    canonical = {p: parse_policy(p).name for p in measured}
+    repairs = any(parse_policy(p).family.repairs for p in measured)
+    return CalibrationTable(
+        model=model, cost_order=tuple(canonical[p] for p in measured),
+        kl={canonical[p]: {bucket: round(statistics.fmean(values), 4) for bucket, values in kls[p].items()}
+            for p in measured},
+        bounds=BUCKET_BOUNDS, repair_checkpoint=model if repairs and (SHIPPED_DIR / model).is_dir() else None,
+        source=source,
+    )
 
 
 def pareto_plot(summary: dict[str, dict[str, Any]], path: Path, title: str) -> None:
@@ -246,6 +258,11 @@ def run_quality(options: QualityOptions, progress: bool = True) -> dict[str, Any
         "per_question": [asdict(r) for r in results],
     }
     (options.out / "results.json").write_text(json.dumps(report, indent=2))
+    if options.write_calibration is not None:
+        table = calibration_table(results, summary, model_dir.name,
+                                  f"{options.command} ({len(rows)} questions of {options.dataset.name})")
+        options.write_calibration.parent.mkdir(parents=True, exist_ok=True)
+        options.write_calibration.write_text(json.dumps(table.as_json(), indent=2) + "\n")
     (options.out / "results.md").write_text(markdown_table(summary, unavailable))
     pareto_plot(summary, options.out / "pareto.png",
                 f"{model_dir.name}, {options.dataset.name}, {len(rows)} questions")
@@ -265,6 +282,9 @@ def register(commands) -> None:
     quality.add_argument("--limit", type=int, default=10, help="first N questions (default 10)")
     quality.add_argument("--max-tokens", type=int, default=32, help="new tokens per answer (default 32)")
     quality.add_argument("--top-logprobs", type=int, default=20, help="k of the first-token KL (default 20)")
+    quality.add_argument("--write-calibration", type=Path, default=None, metavar="FILE",
+                         help="also write the `auto` policy's calibration table (mean KL per policy and "
+                         "prompt size, policies by speed-up) for `picrag serve --calibration FILE`")
     add_server_arguments(quality, default_port=8031)
     quality.set_defaults(func=_main)
 
@@ -275,6 +295,7 @@ def _main(args) -> int:
         dataset=args.dataset, policies=args.policies, out=args.out, limit=args.limit,
         max_passages=args.max_passages, max_tokens=args.max_tokens, top_logprobs=args.top_logprobs,
         url=args.url, model=args.model, port=args.port, command=command_line(),
+        write_calibration=args.write_calibration,
     )
     report = run_quality(options)
     print((options.out / "results.md").read_text())
