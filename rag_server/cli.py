@@ -86,7 +86,8 @@ def _serve(args: argparse.Namespace) -> int:
     from rag_server.api.auth import ADMIN_API_KEY_ENV, API_KEY_ENV
     from rag_server.api.upstream import UpstreamTimeouts
     from sglang_patches.model_store import resolve_model
-    from rag_server.launch.runtime import RuntimeConfig, SGLangRuntime
+    from rag_server.launch.replicas import EngineGroup, engines_for, run_engines
+    from rag_server.launch.runtime import RuntimeConfig
 
     from sglang_patches.repair.checkpoint import RepairCheckpointError
     from rag_server.linking.policy_availability import default_policy, unavailable_policies
@@ -102,24 +103,28 @@ def _serve(args: argparse.Namespace) -> int:
     except RepairCheckpointError as exc:
         print(f"picrag serve: error: {exc}", file=sys.stderr)
         return 2
-    runtime = SGLangRuntime(
-        RuntimeConfig(
-            model_path=model_path,
-            port=args.runtime_port,
-            device=args.device,
-            dtype=args.dtype,
-            attention_backend=args.attention_backend,
-            radix_cache_backend=args.radix_cache_backend or None,
-            max_total_tokens=args.max_total_tokens,
-            context_length=args.context_length,
-            log_level=args.runtime_log_level,
-            extra_args=shlex.split(args.runtime_args),
-            chunk_store=args.chunk_store,
-            chunk_store_max_bytes=args.chunk_store_max_bytes,
-            repair_checkpoint=repair_checkpoint,
-        ),
-        log_file=args.runtime_log,
+    config = RuntimeConfig(
+        model_path=model_path,
+        port=args.runtime_port,
+        host=args.runtime_host,
+        device=args.device,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        radix_cache_backend=args.radix_cache_backend or None,
+        max_total_tokens=args.max_total_tokens,
+        context_length=args.context_length,
+        log_level=args.runtime_log_level,
+        extra_args=shlex.split(args.runtime_args),
+        chunk_store=args.chunk_store,
+        chunk_store_max_bytes=args.chunk_store_max_bytes,
+        repair_checkpoint=repair_checkpoint,
     )
+    try:
+        runtime = engines_for(config, args.replicas, runtime_url=args.runtime_url, worker_urls=args.worker_url,
+                              engines_only=args.engines_only, log_file=args.runtime_log)
+    except ValueError as exc:
+        print(f"picrag serve: error: {exc}", file=sys.stderr)
+        return 2
 
     unavailable = unavailable_policies(runtime.config.attention_backend, repair_unavailable)
     policy = default_policy(args.default_policy, DEFAULT_POLICY, unavailable)
@@ -134,6 +139,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     # uvicorn installs its own handlers once it runs; these cover the minute of runtime start.
     signal.signal(signal.SIGTERM, terminate)
+    if isinstance(runtime, EngineGroup):
+        return RUNTIME_DIED_EXIT if run_engines(runtime, args.start_timeout) else 0
     died: list[str] = []
     try:
         runtime.start(timeout_s=args.start_timeout)
@@ -263,6 +270,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--runtime-args", default="",
                        help="extra arguments for SGLang's launch_server, e.g. \"--disable-overlap-schedule\"")
     serve.add_argument("--start-timeout", type=float, default=600.0)
+    serve.add_argument("--replicas", type=_positive_int, default=1, metavar="N",
+                       help="start N SGLang runtimes (one per GPU on CUDA) behind SGLang's model gateway "
+                       "(smg), which routes each request to the replica of its passage set; give them one "
+                       "--chunk-store to share compiled chunks (default 1: one runtime, no gateway; "
+                       "docs/deployment.md)")
+    serve.add_argument("--engines-only", action="store_true",
+                       help="start the runtime(s) alone, no gateway and no frontend: engines on a GPU node "
+                       "for a `picrag serve --worker-url` elsewhere (bind them with --runtime-host)")
+    serve.add_argument("--runtime-host", default="127.0.0.1", metavar="HOST",
+                       help="address the runtime(s) listen on (default %(default)s; the engines take no key: "
+                       "open them to a private network only)")
+    serve.add_argument("--worker-url", action="append", default=[], metavar="URL",
+                       help="start no runtime: the model gateway in front of this engine, started elsewhere "
+                       "with --engines-only and the same --model (repeatable)")
+    serve.add_argument("--runtime-url", default=None, metavar="URL",
+                       help="start no runtime and no gateway: the frontend talks to the gateway or runtime at URL")
     serve.add_argument("--index", type=Path, default=None, metavar="DIR",
                        help="passage index (`picrag index build`) that /rag/query retrieves from")
     serve.add_argument("--default-policy", default=None, type=_policy_name,

@@ -224,7 +224,7 @@ def test_compiler_skips_pieces_it_compiled_and_forgets_them_on_flush():
     sent = []
 
     class Runtime:
-        async def post(self, path, json):
+        async def post(self, path, json, headers=None):
             sent.append(json["input_ids"])
             return SimpleNamespace(status_code=200)
 

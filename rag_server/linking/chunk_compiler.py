@@ -17,6 +17,7 @@ SKIP_PAUSE_S.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections import OrderedDict
 from typing import Any
@@ -29,6 +30,9 @@ from sglang_patches.link_hints import LinkRequest, compile_hints
 # Keys of compiled pieces remembered (about 100 bytes each).
 KNOWN_PIECES = 100_000
 SKIP_PAUSE_S = 60.0
+# The header the model gateway's consistent-hashing policy routes by (rag_server/launch/gateway.py);
+# a single runtime ignores it.
+ROUTING_KEY_HEADER = "x-smg-routing-key"
 
 
 class CompileError(RuntimeError):
@@ -52,6 +56,17 @@ def segments_to_compile(input_ids: list[int], link: LinkRequest) -> list[list[in
     head_end = link.chunks[0][0]
     head = [input_ids[:head_end]] if head_end > 0 else []
     return head + [link.stored_chunk(input_ids[start:end]) for start, end in link.chunks]
+
+
+def passage_set_key(input_ids: list[int], link: LinkRequest) -> str | None:
+    """The routing key of the passages `link` marks, in any order (None without chunks): the
+    compile and the link of a request reach the same replica behind the gateway, and so do
+    requests over the same passages, where those are cached. The price is balance: one passage
+    set is served by one replica, however hot it is."""
+    if not link.chunks:
+        return None
+    keys = sorted({chunk_key(input_ids[start:end]) for start, end in link.chunks})
+    return hashlib.sha256(" ".join(keys).encode()).hexdigest()[:32]
 
 
 class ChunkCompiler:
@@ -82,8 +97,8 @@ class ChunkCompiler:
         while len(self._known) > KNOWN_PIECES:
             self._known.popitem(last=False)
 
-    async def compile_many(self, segments: list[list[int]]) -> None:
-        """Make sure every segment is stored.
+    async def compile_many(self, segments: list[list[int]], route: str | None = None) -> None:
+        """Make sure every segment is stored (`route`: the request's routing key).
 
         Segments not already being compiled go to the runtime as one batched request, so a
         prompt's twenty compiles cost one scheduler step, not twenty round trips."""
@@ -93,7 +108,7 @@ class ChunkCompiler:
             if key not in self._inflight and key not in mine:
                 mine[key] = segment
         if mine:
-            batch = asyncio.ensure_future(self._send(list(mine.values())))
+            batch = asyncio.ensure_future(self._send(list(mine.values()), route))
             for key in mine:
                 self._inflight[key] = batch
             batch.add_done_callback(lambda done: [self._inflight.pop(key) for key in mine
@@ -102,14 +117,16 @@ class ChunkCompiler:
         await asyncio.gather(*(asyncio.shield(future) for future in pending.values()))
         self._remember(keys)
 
-    async def _send(self, segments: list[list[int]]) -> None:
-        response = await self.client.post("/generate", json=compile_request(segments))
+    async def _send(self, segments: list[list[int]], route: str | None) -> None:
+        headers = {ROUTING_KEY_HEADER: route} if route else None
+        response = await self.client.post("/generate", json=compile_request(segments), headers=headers)
         if response.status_code != 200:
             raise CompileError(f"chunk compile failed ({response.status_code}): {response.text[:300]}")
 
-    async def prepare(self, input_ids: list[int], link: LinkRequest, skip_known: bool = False) -> None:
+    async def prepare(self, input_ids: list[int], link: LinkRequest, skip_known: bool = False,
+                      route: str | None = None) -> None:
         """Make sure the pieces `link` reuses are in the chunk store (`skip_known`: pieces this
-        compiler compiled before are taken as stored)."""
+        compiler compiled before are taken as stored; `route`: the request's routing key)."""
         segments = segments_to_compile(input_ids, link)
         if not segments:
             return
@@ -118,4 +135,4 @@ class ChunkCompiler:
             if all(key in self._known for key in keys):
                 self._remember(keys)
                 return
-        await self.compile_many(segments)
+        await self.compile_many(segments, route)

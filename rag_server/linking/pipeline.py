@@ -31,7 +31,7 @@ from typing import Any, Optional
 import httpx
 
 from rag_server.linking import sse
-from rag_server.linking.chunk_compiler import ChunkCompiler, CompileError
+from rag_server.linking.chunk_compiler import ROUTING_KEY_HEADER, ChunkCompiler, CompileError, passage_set_key
 from sglang_patches.link_hints import LinkRequest, runtime_request
 
 logger = logging.getLogger(__name__)
@@ -182,11 +182,14 @@ class LinkPipeline:
         `link` says, its chunks compiled first; relinked when chunks are missing at link time.
         `headers` and `params` go with every link request."""
         runtime_ids, hints = runtime_request(input_ids, link)
+        route = passage_set_key(input_ids, link)
+        if route:  # behind the gateway, the compile and the link go to the replica of the passage set
+            headers = {**headers, ROUTING_KEY_HEADER: route}
         content = json.dumps({**fields, "input_ids": runtime_ids, "kv_hints": hints}).encode()
         relinks = MAX_RELINKS if link.family.reuses_chunks and link.chunks else 0
         compile_s = 0.0
         for attempt in range(relinks + 1):
-            compile_s += await self._compile(input_ids, link, skip_known=attempt == 0)
+            compile_s += await self._compile(input_ids, link, skip_known=attempt == 0, route=route)
             try:
                 request = self.client.build_request("POST", "/generate", content=content, headers=headers,
                                                     params=params)
@@ -201,10 +204,10 @@ class LinkPipeline:
             self.compiler.note_eviction()
         raise AssertionError("the last attempt always answers")
 
-    async def _compile(self, input_ids: list[int], link: LinkRequest, skip_known: bool) -> float:
+    async def _compile(self, input_ids: list[int], link: LinkRequest, skip_known: bool, route: str | None) -> float:
         started = time.perf_counter()
         try:
-            await self.compiler.prepare(input_ids, link, skip_known=skip_known)
+            await self.compiler.prepare(input_ids, link, skip_known=skip_known, route=route)
         except (CompileError, httpx.HTTPError) as exc:
             raise GenerationError(f"chunk compile failed: {exc}", 503) from exc
         return time.perf_counter() - started

@@ -1,0 +1,134 @@
+"""SGLang's model gateway in front of several engines: the Shepherd Model Gateway (PyPI `smg`).
+
+The gateway runs `consistent_hashing`: a request that carries a routing key
+(`rag_server.linking.chunk_compiler.ROUTING_KEY_HEADER`, which the frontend derives from the
+request's passage set) goes to the worker its key hashes to on the gateway's ring, and keeps
+going there while that worker is healthy; a request without one goes to a random worker. A
+worker that fails a request is routed around at once (the gateway retries a request that never
+reached an engine on another worker) and is marked unhealthy after HEALTH_FAILURES failed
+`/health` probes HEALTH_INTERVAL_S apart; keys that hashed to it move to the next worker on the
+ring, the others stay put.
+
+The gateway is a child process group of its own, like each runtime (rag_server/launch/runtime.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from rag_server.launch.runtime import free_port
+
+logger = logging.getLogger(__name__)
+
+ROUTING_POLICY = "consistent_hashing"
+HEALTH_INTERVAL_S = 2
+HEALTH_FAILURES = 2
+# The gateway would wait this long for in-flight requests on SIGTERM (its default is 180 s); the
+# frontend stops first and ends its own requests, so what is left is only being torn down.
+SHUTDOWN_GRACE_S = 5
+
+
+class GatewayStartError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    worker_urls: tuple[str, ...]
+    port: int
+    host: str = "127.0.0.1"
+    metrics_port: int = 0  # the gateway's own Prometheus port (0: a free one)
+    log_level: str = "warn"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "smg", "launch",
+            "--worker-urls", *self.worker_urls,
+            "--host", self.host, "--port", str(self.port),
+            "--policy", ROUTING_POLICY,
+            "--health-check-interval-secs", str(HEALTH_INTERVAL_S),
+            "--health-failure-threshold", str(HEALTH_FAILURES),
+            "--shutdown-grace-period-secs", str(SHUTDOWN_GRACE_S),
+            # Requests reach the engines as token ids or text; the gateway tokenizes nothing.
+            "--disable-tokenizer-autoload",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port or free_port()),
+            "--log-level", self.log_level,
+        ]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, log_file: Path | None = None):
+        self.config = config
+        self.log_file = log_file
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        """Start the gateway and wait until it routes to at least one healthy worker."""
+        logger.info("Starting the model gateway (smg, policy %s) at %s over %s",
+                    ROUTING_POLICY, self.url, ", ".join(self.config.worker_urls))
+        stdout = open(self.log_file, "ab") if self.log_file else None
+        self.process = subprocess.Popen(
+            self.config.command(), start_new_session=True,
+            stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise GatewayStartError(
+                    f"model gateway exited with code {self.process.returncode} during start"
+                    + (f"; see {self.log_file}" if self.log_file else "")
+                )
+            healthy, total = self.workers()
+            if healthy:
+                logger.info("model gateway ready: %d of %d workers healthy", healthy, total)
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise GatewayStartError(f"model gateway routes to no healthy worker after {timeout_s:.0f} s")
+
+    def workers(self) -> tuple[int, int]:
+        """(healthy, registered) workers as the gateway sees them; (0, 0) when it does not answer."""
+        try:
+            body = httpx.get(f"{self.url}/readiness", timeout=5.0).json()
+        except (httpx.HTTPError, ValueError):
+            return 0, 0
+        return int(body.get("healthy_workers", 0)), int(body.get("total_workers", 0))
+
+    def death(self) -> str | None:
+        if self.process is None or self.process.poll() is None:
+            return None
+        return f"the model gateway (pid {self.process.pid}) exited with code {self.process.returncode}"
+
+    def stop(self, grace_s: float = SHUTDOWN_GRACE_S + 5.0) -> None:
+        if self.process is None:
+            return
+        pgid = self.process.pid
+        if self.process.poll() is None:
+            logger.info("Stopping the model gateway (process group %d)", pgid)
+            os.killpg(pgid, signal.SIGTERM)
+            try:
+                self.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("model gateway ignored SIGTERM; killing it")
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
