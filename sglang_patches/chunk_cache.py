@@ -6,7 +6,7 @@ It is SGLang's own `RadixCache`, with two namespaces added through `extra_key`:
   keyed by the chunk's token ids (one server serves one model, so the model is implicit in
   the tree; the persistent tier adds the model fingerprint). Shared chunk prefixes share nodes,
   which is exact because they sit at the same local positions.
-* ``picrag:<policy>`` holds linked prompts. When a request of a chunk-reusing policy arrives,
+* ``picrag:<policy>:...`` holds linked prompts. When a request of a chunk-reusing policy arrives,
   the chunks that directly follow its longest matched prefix are *grafted*: fresh pool slots
   receive each stored chunk's keys rotated to the chunk's offset (values copied), and that
   run of slots is inserted into the tree under the request's own token path. The ordinary
@@ -14,6 +14,11 @@ It is SGLang's own `RadixCache`, with two namespaces added through `extra_key`:
   allocator, locking, eviction and release work unchanged. The stored chunk is never
   modified; grafted slots belong to the tree and are evicted LRU like any other node; an
   evicted chunk simply is not grafted, and its tokens are computed as ordinary extend tokens.
+  A linked prompt is keyed by its tokens and its chunk spans (`marked_prompt`; a reordered one
+  by a namespace of its spans and k), so prompts share cached KV only where it is the same KV.
+
+A client never names these namespaces: its own `extra_key` is moved out of them, and a picrag
+hint the engine does not admit is ignored (sglang_patches.request_guard).
 
 What a request gets follows its policy family's flags (sglang_patches.policies). Vanilla
 requests (no picrag hint) and families that reuse no chunks (``prefix``) use the plain tree;
@@ -43,24 +48,29 @@ from sglang_patches.cacheblend import PLAN_ATTR, blend_plan
 from sglang_patches.disk_chunk_store import CorruptChunkFile, DiskChunkStore
 from sglang_patches.repair.kv_repair import RepairSpan, repair_spans
 from sglang_patches.legolink_layout import legolink_layout
-from sglang_patches.link_hints import REORDERED_LAYOUT, LinkHintError, LinkRequest, parse_link_request
+from sglang_patches.link_hints import REORDERED_LAYOUT, LinkHintError, LinkRequest
+from sglang_patches.request_guard import NAMESPACE_PREFIX, admitted_link, client_namespace, shape_of_req
 from sglang_patches.rope_shift import KeyShifter
 
 logger = logging.getLogger(__name__)
 
-CHUNK_NAMESPACE = "picrag:chunk"
+CHUNK_NAMESPACE = f"{NAMESPACE_PREFIX}chunk"
 _LINK_ATTR = "picrag_link"
 STATS_ATTR = "picrag_stats"
 # The true position of every token of a reordered (LegoLink) prompt, read by
 # sglang_patches.positions when the forward batch is built.
 POSITIONS_ATTR = "picrag_positions"
+# A linked prompt's tree key (marked_prompt); token ids stay far below these bits.
+MARKED_PROMPT_ATTR = "picrag_marked_prompt"
+CHUNK_TOKEN = 1 << 40
+CHUNK_START = 1 << 41
 
 
 def namespace_of(link: LinkRequest) -> str:
     """The tree namespace of a linked request: its KV is this family's, so no other family's
     request may match it."""
     family = link.family
-    parts = [f"picrag:{family.name}"]
+    parts = [f"{NAMESPACE_PREFIX}{family.name}"]
     if family.sink_tokens:
         parts.append(str(link.sink_token))
     if family.reordered_layout:
@@ -68,6 +78,22 @@ def namespace_of(link: LinkRequest) -> str:
         spans = ",".join(f"{s}-{e}" for s, e in link.chunks)
         parts += [str(link.k), hashlib.sha256(spans.encode()).hexdigest()[:16]]
     return ":".join(parts)
+
+
+def marked_prompt(token_ids, chunks) -> array:
+    """A linked prompt's tree key (families in the original order): every chunk token carries
+    CHUNK_TOKEN, a chunk's first token CHUNK_START too. A token's linked KV depends on which
+    tokens before it were grafted from which chunk, not only on the tokens: the same tokens
+    computed in context, or split into other chunks, are other KV. With the marks in the key,
+    two prompts share a cached prefix only where their chunk spans agree, so no request (a
+    client's spans are its own choice) can leave KV that another request's spans would not
+    give it."""
+    marked = array("q", token_ids)
+    for start, end in chunks:
+        for index in range(start, end):
+            marked[index] |= CHUNK_TOKEN
+        marked[start] |= CHUNK_START
+    return marked
 
 
 def _with_namespace(namespace: str, extra_key: Optional[str]) -> str:
@@ -139,6 +165,7 @@ class ChunkRadixCache(RadixCache):
         counters: Optional[CacheCounters] = None,
         disk_store: Optional[DiskChunkStore] = None,
         repairer=None,
+        sink_token: Optional[int] = None,
     ):
         if params.page_size != 1:
             raise ValueError(f"picrag's chunk cache needs page_size 1, got {params.page_size}")
@@ -148,6 +175,7 @@ class ChunkRadixCache(RadixCache):
         self.counters = counters or CacheCounters()
         self.disk_store = disk_store
         self.repairer = repairer  # repair.network.KVRepairer for the repairing families, or None
+        self.sink_token = sink_token  # the model's BOS: what families with sink tokens compile before chunks
 
     # ---- request routing -------------------------------------------------------------
 
@@ -156,16 +184,16 @@ class ChunkRadixCache(RadixCache):
             return None
         if hasattr(req, _LINK_ATTR):
             return getattr(req, _LINK_ATTR)
+        shape = shape_of_req(req)
+        # Runs before the request's first match or insert: from here on, a client's own
+        # extra_key can never name one of picrag's namespaces.
+        req.extra_key = client_namespace(req.extra_key)
         try:
-            link = parse_link_request(req.kv_hints)
-            if link is not None:
-                link.validate(len(req.origin_input_ids))
-                if link.family.reordered_layout and link.chunks and link.layout != REORDERED_LAYOUT:
-                    raise LinkHintError(f"{link.policy} prompts must arrive reordered (link_hints.runtime_request)")
+            link = admitted_link(req.kv_hints, shape, self.sink_token)
         except LinkHintError as exc:
-            # The frontend validates first; a raw /generate with a bad hint degrades to vanilla
-            # rather than taking the scheduler down.
-            logger.warning("request %s: ignoring invalid picrag hint: %s", req.rid, exc)
+            # The tokenizer manager refuses these (sglang_patches.request_guard); a request that
+            # reached the scheduler some other way is served as vanilla, never as asked.
+            logger.warning("request %s: ignoring picrag hint: %s", req.rid, exc)
             link = None
         if link is not None and link.family.repairs and self.repairer is None:
             # The frontend refuses repairing families without a checkpoint; a raw /generate gets
@@ -181,27 +209,31 @@ class ChunkRadixCache(RadixCache):
                 # holds grafted heads.
                 req.skip_radix_cache_insert = True
             if link.compile:
-                req.extra_key = _with_namespace(CHUNK_NAMESPACE, req.extra_key)
+                req.extra_key = CHUNK_NAMESPACE  # admitted compiles carry no namespace of the client's
             elif link.family.reuses_chunks:
                 req.extra_key = _with_namespace(namespace_of(link), req.extra_key)
             if link.layout == REORDERED_LAYOUT:
                 order = legolink_layout(len(req.origin_input_ids), list(link.chunks), link.k).order
                 setattr(req, POSITIONS_ATTR, order)
+            elif link.family.reuses_chunks and link.chunks:
+                setattr(req, MARKED_PROMPT_ATTR, marked_prompt(req.origin_input_ids, link.chunks))
             setattr(req, STATS_ATTR, LinkStats(policy="compile" if link.compile else link.policy))
         return link
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         req = params.req
         link = self._link_of(req)
+        key = params.key
+        if req is not None and (key.extra_key != req.extra_key or hasattr(req, MARKED_PROMPT_ATTR)):
+            # SGLang built the key from the plain tokens, before _link_of namespaced the request.
+            key = RadixKey(self._tree_tokens(req, key.token_ids), req.extra_key, is_bigram=key.is_bigram,
+                           limit=key.limit, cache_salt=key.cache_salt)
         if link is None:
-            return super().match_prefix(params)
+            return super().match_prefix(dataclasses.replace(params, key=key))
         stats: LinkStats = getattr(req, STATS_ATTR)
         if not link.family.matches_tree:
             result = self._empty_match_result
         else:
-            key = params.key
-            if key.extra_key != req.extra_key:
-                key = RadixKey(key.token_ids, req.extra_key, limit=key.limit, cache_salt=key.cache_salt)
             if link.compile and self.disk_store is not None and not self.disable:
                 found = self.lookup_chunk(req.origin_input_ids)
                 if found is not None:
@@ -216,7 +248,7 @@ class ChunkRadixCache(RadixCache):
                     # Its missing chunks are computed as ordinary tokens, in context: that KV is
                     # not this policy's and must not serve a later request as if it were.
                     req.skip_radix_cache_insert = True
-            result = super().match_prefix(MatchPrefixParams(key=key, cow_mamba=params.cow_mamba, req=req))
+            result = super().match_prefix(dataclasses.replace(params, key=key))
             if link.family.blends_chunks and not self.disable:
                 setattr(req, PLAN_ATTR, blend_plan(self, req, link, result.device_prefix_len, stats))
         prompt_len = len(req.origin_input_ids)
@@ -227,6 +259,18 @@ class ChunkRadixCache(RadixCache):
             stats.chunk_hits = int(result.device_prefix_len >= prompt_len - 1)
             stats.chunk_misses = 1 - stats.chunk_hits
         return result
+
+    @staticmethod
+    def _tree_tokens(req, token_ids):
+        """The tree key's tokens for `token_ids` (a prefix of the request's prompt and output)."""
+        marked = getattr(req, MARKED_PROMPT_ATTR, None)
+        if marked is None:
+            return token_ids
+        return marked[: len(token_ids)] + array("q", token_ids[len(marked):])
+
+    def _insert_cache(self, req, token_ids, **kwargs):
+        # SGLang's one place that keys what a request computed (its release and checkpoints).
+        return super()._insert_cache(req, self._tree_tokens(req, token_ids), **kwargs)
 
     # ---- grafting --------------------------------------------------------------------
 

@@ -11,7 +11,9 @@ SGLang calls `register` early in its main, scheduler and detokenizer processes. 
 * a hook that runs reordered LegoLink prompts at their true positions (sglang_patches.positions);
 * hooks that run CacheBlend's selective recompute in the forward (sglang_patches.cacheblend);
 * a hook that keeps those per-forward annotations on the eager runner's copy of the batch
-  (sglang_patches.batch_annotations).
+  (sglang_patches.batch_annotations);
+* a hook on the tokenizer manager's per-request validation that refuses token ids outside the
+  vocabulary and picrag hints the engine does not admit (sglang_patches.request_guard).
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ def _disk_store(ctx, kv_pool):
     return store
 
 
+def _sink_token(ctx):
+    """The model's BOS as its tokenizer gives it (the frontend's too): the sink legolink0 compiles."""
+    tokenizer = getattr(ctx.tp_worker, "tokenizer", None)
+    return None if tokenizer is None else tokenizer.bos_token_id
+
+
 def _chunk_cache_factory(ctx):
     from pathlib import Path
 
@@ -66,7 +74,7 @@ def _chunk_cache_factory(ctx):
     cache = ChunkRadixCache(
         ctx.params, kv_pool=kv_pool, shifter=KeyShifter.from_model(model),
         counters=prometheus_counters(), disk_store=_disk_store(ctx, kv_pool),
-        repairer=load_engine_repairer(Path(ctx.server_args.model_path)),
+        repairer=load_engine_repairer(Path(ctx.server_args.model_path)), sink_token=_sink_token(ctx),
     )
     logger.info("picrag chunk radix cache active (pool of %d tokens)", kv_pool.size)
     return cache
@@ -81,7 +89,8 @@ def register() -> None:
         )
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
-    from sglang_patches import attention, batch_annotations, cacheblend, flashinfer_attention, meta_info, positions
+    from sglang_patches import (attention, batch_annotations, cacheblend, flashinfer_attention, meta_info, positions,
+                                request_guard)
 
     if get_radix_cache_factory(RADIX_CACHE_BACKEND) is None:
         register_radix_cache_backend(RADIX_CACHE_BACKEND, _chunk_cache_factory)
@@ -91,3 +100,4 @@ def register() -> None:
     positions.register()
     cacheblend.register()
     batch_annotations.register()
+    request_guard.register()

@@ -41,8 +41,8 @@ def test_sent_reordered_like_legolink_under_its_own_namespace():
 
 
 def _routed(repairer, policy: str, chunks, prompt_len: int = 20):
-    cache = object.__new__(ChunkRadixCache)  # routing reads the repairer only
-    cache.repairer = repairer
+    cache = object.__new__(ChunkRadixCache)  # routing reads the repairer and the sink token only
+    cache.repairer, cache.sink_token = repairer, None
     prompt = list(range(100, 100 + prompt_len))
     input_ids, hints = runtime_request(prompt, LinkRequest.of(policy, chunks))
     req = SimpleNamespace(rid="r", kv_hints=hints, origin_input_ids=input_ids, extra_key=None,

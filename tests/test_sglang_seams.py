@@ -8,7 +8,7 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 import sglang
 
-from sglang_patches import meta_info, plugin
+from sglang_patches import meta_info, plugin, request_guard
 
 
 def resolve(dotted: str):
@@ -23,6 +23,8 @@ def test_pinned_sglang_version():
 def test_hooked_method_signature():
     target = resolve(meta_info.HOOK_TARGET)
     assert list(inspect.signature(target).parameters) == ["self", "req"]
+    # picrag's request checks raise SGLang's 400 from here (a ValueError), per prompt of a batch.
+    assert list(inspect.signature(resolve(request_guard.HOOK_TARGET)).parameters) == ["self", "obj", "input_ids"]
 
 
 def test_tree_cache_methods_the_chunk_cache_overrides_or_calls():
@@ -31,6 +33,9 @@ def test_tree_cache_methods_the_chunk_cache_overrides_or_calls():
     assert list(inspect.signature(RadixCache.match_prefix).parameters) == ["self", "params"]
     assert list(inspect.signature(RadixCache._match_prefix_helper).parameters) == ["self", "node", "key"]
     assert list(inspect.signature(RadixCache.on_release).parameters) == ["self", "req", "checkpointed"]
+    # The one place SGLang keys what a request computed; the chunk cache marks linked prompts' keys there.
+    assert list(inspect.signature(RadixCache._insert_cache).parameters) == [
+        "self", "req", "token_ids", "key_limit", "split_prompt"]
     assert "req" in inspect.signature(RadixCache.checkpoint).parameters
 
 
