@@ -13,7 +13,9 @@ SGLang calls `register` early in its main, scheduler and detokenizer processes. 
 * a hook that keeps those per-forward annotations on the eager runner's copy of the batch
   (sglang_patches.batch_annotations);
 * a hook on the tokenizer manager's per-request validation that refuses token ids outside the
-  vocabulary and picrag hints the engine does not admit (sglang_patches.request_guard).
+  vocabulary and picrag hints the engine does not admit (sglang_patches.request_guard);
+* a hook that reports the chunk cache's start-up re-rotation check in `/server_info`
+  (sglang_patches.selfcheck).
 """
 
 from __future__ import annotations
@@ -63,20 +65,31 @@ def _sink_token(ctx):
 def _chunk_cache_factory(ctx):
     from pathlib import Path
 
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
     from sglang_patches.chunk_cache import ChunkRadixCache
     from sglang_patches.metrics import prometheus_counters
-    from sglang_patches.rope_shift import KeyShifter
+    from sglang_patches.selfcheck import ROPE_CHECK_ATTR, rope_shifter
 
     from sglang_patches.repair.kv_repair import load_engine_repairer
 
     model = ctx.tp_worker.model_runner.model
     kv_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
-    cache = ChunkRadixCache(
-        ctx.params, kv_pool=kv_pool, shifter=KeyShifter.from_model(model),
-        counters=prometheus_counters(), disk_store=_disk_store(ctx, kv_pool),
-        repairer=load_engine_repairer(Path(ctx.server_args.model_path)), sink_token=_sink_token(ctx),
-    )
-    logger.info("picrag chunk radix cache active (pool of %d tokens)", kv_pool.size)
+    shifter, rope_check = rope_shifter(model, kv_pool.dtype)
+    logger.log(logging.INFO if rope_check.passed else logging.WARNING,
+               "picrag self-check, re-rotation: %s: %s", "passed" if rope_check.passed else "FAILED", rope_check.detail)
+    if shifter is None:
+        # Nothing can move this model's cached keys: SGLang's own radix cache, and the frontend
+        # refuses chunk reuse (the failed check says why).
+        cache = RadixCache(ctx.params)
+    else:
+        cache = ChunkRadixCache(
+            ctx.params, kv_pool=kv_pool, shifter=shifter,
+            counters=prometheus_counters(), disk_store=_disk_store(ctx, kv_pool),
+            repairer=load_engine_repairer(Path(ctx.server_args.model_path)), sink_token=_sink_token(ctx),
+        )
+        logger.info("picrag chunk radix cache active (pool of %d tokens)", kv_pool.size)
+    setattr(cache, ROPE_CHECK_ATTR, rope_check)
     return cache
 
 
@@ -89,8 +102,9 @@ def register() -> None:
         )
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
-    from sglang_patches import (attention, batch_annotations, cacheblend, flashinfer_attention, meta_info, positions,
-                                request_guard)
+    from sglang_patches import (
+        attention, batch_annotations, cacheblend, flashinfer_attention, meta_info, positions, request_guard, selfcheck,
+    )
 
     if get_radix_cache_factory(RADIX_CACHE_BACKEND) is None:
         register_radix_cache_backend(RADIX_CACHE_BACKEND, _chunk_cache_factory)
@@ -101,3 +115,4 @@ def register() -> None:
     cacheblend.register()
     batch_annotations.register()
     request_guard.register()
+    selfcheck.register()

@@ -43,13 +43,6 @@ class KeyShifter:
             is_neox_style=rotary_emb.is_neox_style,
         )
 
-    @classmethod
-    def from_model(cls, model: torch.nn.Module) -> KeyShifter:
-        for module in model.modules():
-            if hasattr(module, "cos_sin_cache") and hasattr(module, "is_neox_style"):
-                return cls.from_rotary_embedding(module)
-        raise RopeShiftError(f"no rotary embedding found in {type(model).__name__}")
-
     @property
     def max_position(self) -> int:
         return self.cos_sin_cache.shape[0]
@@ -90,3 +83,11 @@ class KeyShifter:
             x1, x2 = rot[..., 0::2], rot[..., 1::2]
             rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
         return torch.cat((rotated, rest), dim=-1).to(keys.dtype)
+
+
+def rotary_embedding_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The model's (first) SGLang rotary embedding module."""
+    for module in model.modules():
+        if hasattr(module, "cos_sin_cache") and hasattr(module, "is_neox_style"):
+            return module
+    raise RopeShiftError(f"no rotary embedding found in {type(model).__name__}")
