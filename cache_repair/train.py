@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from sglang_patches.repair.checkpoint import save_checkpoint
@@ -42,6 +43,7 @@ from cache_repair.pairs import Pair, pairs_model, read_manifest, shard_paths
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "train_state.pt"
+STATS_FILE = "train_kv_stats.safetensors"  # in the pairs folder
 LOG_FILE = "train_log.jsonl"
 
 
@@ -63,6 +65,19 @@ def compute_stats(paths: list[Path]) -> KVStats:
         pair = Pair.load(path)
         accumulator.add(pair.stale_k, pair.stale_v, pair.target_k, pair.target_v)
     return accumulator.finish()
+
+
+def training_stats(pairs_dir: Path, train_paths: list[Path]) -> KVStats:
+    """The statistics of the training split, computed once per pairs folder (every run on
+    the same pairs gets the same ones) and kept beside the pairs."""
+    path = Path(pairs_dir) / STATS_FILE
+    if path.is_file():
+        return KVStats.from_tensors(load_file(path))
+    stats = compute_stats(train_paths)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file(stats.tensors(), tmp)
+    os.replace(tmp, path)
+    return stats
 
 
 def pair_outputs(network: RepairNetwork, stats: KVStats, pair: Pair) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,7 +206,7 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         state_path = self.out / STATE_FILE
         state = self._load_state(state_path, resume)
-        stats = KVStats.from_tensors(state["stats"]) if state else compute_stats(train_paths)
+        stats = KVStats.from_tensors(state["stats"]) if state else training_stats(self.pairs_dir, train_paths)
 
         torch.manual_seed(self.options.seed)
         network = RepairNetwork(config, read_token_embedding(model_dir))

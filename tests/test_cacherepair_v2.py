@@ -19,7 +19,8 @@ from cache_repair.groups import GroupsError, GroupShape, plan_groups, read_qa_ro
 from cache_repair.cli import register
 from cache_repair.pairs import Pair, PairMaker, PairsError, chunk_name, shard_paths
 from cache_repair.serving_pairs import generate_serving_pairs
-from cache_repair.train import answer_reader, compute_stats, evaluate, step_loss
+from cache_repair import train as train_module
+from cache_repair.train import answer_reader, compute_stats, evaluate, step_loss, training_stats
 from retrieval.prompt_layout import DEFAULT_SYSTEM_PROMPT, PromptLayout
 from sglang_patches.repair.config import RepairConfig, TrainOptions, read_token_embedding
 from sglang_patches.repair.network import RepairNetwork
@@ -252,6 +253,18 @@ def test_kl_gradient_reaches_the_network_and_not_the_llm(serving_pairs, tiny_mod
                                              p.teacher_logits, 1)))
     assert result.first_token_kl == pytest.approx(sum(naive_kls) / len(naive_kls), rel=1e-5)
     assert result.overall_k == pytest.approx(1.0)
+
+
+def test_training_stats_are_computed_once_per_pairs_folder(serving_pairs, monkeypatch):
+    out, _ = serving_pairs
+    paths = shard_paths(out, "train")
+    first = training_stats(out, paths)
+    monkeypatch.setattr(train_module, "compute_stats", lambda paths: pytest.fail("recomputed"))
+    again = training_stats(out, paths)
+    assert torch.equal(again.stale_rms, first.stale_rms) and torch.equal(again.delta_sigma, first.delta_sigma)
+    monkeypatch.undo()
+    reference = compute_stats(paths)
+    assert torch.equal(reference.delta_sigma, first.delta_sigma)
 
 
 def repair_cli(*args: object) -> int:
