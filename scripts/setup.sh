@@ -48,3 +48,10 @@ if [ "$want_test" = 1 ] && [ ! -e "$test_stamp" ]; then
   rm -f "$VENV"/.picrag-test-*
   touch "$test_stamp"
 fi
+# The page's browser test (tests/test_web_page.py) drives Debian's chromium through chromedriver.
+if [ "$want_test" = 1 ] && ! { command -v chromium && command -v chromedriver; } >/dev/null; then
+  echo "[setup] installing chromium and chromium-driver (apt) for the page's browser test"
+  as_root=(); [ "$(id -u)" = 0 ] || as_root=(sudo)
+  "${as_root[@]}" apt-get update -qq >/dev/null
+  "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+fi

@@ -17,11 +17,12 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 
-from rag_server.api import health, native_routes, openai_chat, proxy, quality_routes, rag_api
+from rag_server.api import health, native_routes, openai_chat, page, proxy, quality_routes, rag_api
 from rag_server.api.admission import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_QUEUE, Admission
 from rag_server.api.auth import AccessGuard
 from rag_server.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from rag_server.api.health import DEFAULT_INTERVAL_S, HealthMonitor
+from rag_server.api.request_stats import RequestStats
 from rag_server.api.state import Frontend, FrontendSettings
 from rag_server.api.upstream import UpstreamTimeouts
 from rag_server.api.validation_errors import validation_error
@@ -70,7 +71,8 @@ def create_app(
     app = FastAPI(title="picrag", version="0.1.0", lifespan=lambda app: _running(app, settings))
     app.state.health = HealthMonitor(runtime_url, health_interval_s, timeouts.connect_s)
     app.add_exception_handler(RequestValidationError, validation_error)
-    for routes in (health, rag_api, openai_chat, quality_routes, native_routes, proxy):
+    app.state.request_stats = RequestStats()
+    for routes in (health, page, rag_api, openai_chat, quality_routes, native_routes, proxy):
         app.include_router(routes.router)
 
     # Added innermost first. CORS outermost, so that preflights (which carry no key) are

@@ -19,10 +19,13 @@ import ipaddress
 
 from fastapi.responses import JSONResponse
 
+from rag_server.api.page import PAGE_PATHS
+
 API_KEY_ENV = "PICRAG_API_KEY"
 ADMIN_API_KEY_ENV = "PICRAG_ADMIN_API_KEY"
-# Liveness probes (load balancers, `picrag serve`'s own start-up wait) carry no credentials.
-OPEN_PATHS = frozenset({"/health"})
+# Liveness probes (load balancers, `picrag serve`'s own start-up wait) carry no credentials, nor
+# does a browser opening the page, whose files hold no data (its calls carry the key).
+OPEN_PATHS = frozenset({"/health", *PAGE_PATHS})
 # The routes SGLang 0.5.23 marks admin (`@auth_level(AuthLevel.ADMIN_OPTIONAL)`) that the frontend
 # serves; it serves none of SGLang's other admin routes.
 ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request"})

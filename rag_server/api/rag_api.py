@@ -20,6 +20,7 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, InstanceOf, WithJsonSchema, field_validator
 
+from rag_server.api.request_stats import Answered, RequestStats, request_stats
 from rag_server.api.state import frontend
 from rag_server.linking.pipeline import GenerationError
 from rag_server.service.context_window import ScoredPassage
@@ -153,6 +154,9 @@ class RagAnswer(BaseModel):
             policy_reason=plan.policy_reason,
         )
 
+    def answered(self) -> Answered:
+        return Answered(self.policy, self.timings.ttft_ms, self.usage.reused_tokens, self.usage.computed_tokens)
+
 
 class RetrieveQuery(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -199,19 +203,23 @@ async def rag_query(query: RagQuery, request: Request):
     service = _service(request)
     plan = await _plan(service, query.to_request(service.default_policy))
     if query.stream:
-        return StreamingResponse(_stream(service, plan), media_type="text/event-stream")
+        return StreamingResponse(_stream(service, plan, request_stats(request)), media_type="text/event-stream")
     try:
         result = await service.answer(plan)
     except GenerationError as exc:
         raise HTTPException(exc.status, str(exc)) from exc
-    return RagAnswer.of(plan, result)
+    answer = RagAnswer.of(plan, result)
+    request_stats(request).record(answer.answered())
+    return answer
 
 
-async def _stream(service: RagService, plan: RagPlan) -> AsyncIterator[bytes]:
+async def _stream(service: RagService, plan: RagPlan, stats: RequestStats) -> AsyncIterator[bytes]:
     try:
         async for event in service.run(plan):
             if isinstance(event, RagResult):
-                yield sse({"type": "done", **RagAnswer.of(plan, event).model_dump()})
+                answer = RagAnswer.of(plan, event)
+                stats.record(answer.answered())
+                yield sse({"type": "done", **answer.model_dump()})
             else:
                 yield sse({"type": "token", "text": event})
     except GenerationError as exc:

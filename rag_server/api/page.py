@@ -1,0 +1,117 @@
+"""The page for people: `GET /` asks questions and shows the server live, and the JSON it reads.
+
+The page is three static files (rag_server/api/static/: HTML, JS, CSS; charts are drawn as SVG
+by page.js, no library, no build step). They hold no data, so they are served without the API key
+(PAGE_PATHS, open in rag_server/api/auth.py); everything the page reads comes from keyed routes,
+with the key the user typed into the page:
+
+- `GET /picrag/policies`: the policy menu: every family of sglang_patches.policies with whether
+  this server serves it, any name the RAG routes accept beyond the families (`auto`), the default;
+- `GET /picrag/stats`: RAG answers per policy with their TTFT p50/p90
+  (rag_server/api/request_stats.py), and the runtime's picrag counters from its /metrics;
+- `POST /rag/query` with `"stream": true` for the answer, and `GET /picrag/quality` for the
+  shadow-quality panel, shown only where the server answers it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import httpx
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse
+
+from rag_server.api.request_stats import request_stats
+from rag_server.api.state import frontend
+from rag_server.service.rag_service import NamedPolicy
+from sglang_patches.policies import POLICY_FAMILIES, PolicyError
+
+logger = logging.getLogger(__name__)
+
+STATIC_DIR = Path(__file__).parent / "static"
+# URL path -> (file in STATIC_DIR, media type).
+PAGE_FILES = {
+    "/": ("index.html", "text/html; charset=utf-8"),
+    "/page.js": ("page.js", "text/javascript; charset=utf-8"),
+    "/page.css": ("page.css", "text/css; charset=utf-8"),
+}
+PAGE_PATHS = frozenset(PAGE_FILES)
+# Policy names the RAG routes may accept besides the families' own, offered where they parse.
+EXTRA_POLICIES = {"auto": "the cheapest policy within the server's quality target"}
+COUNTER_PREFIX = "picrag_"
+
+router = APIRouter(tags=["page"])
+
+
+def _page_file(path: str):
+    name, media_type = PAGE_FILES[path]
+
+    async def serve() -> FileResponse:
+        # no-cache: a browser revalidates, so a restarted server's new page is seen at once.
+        return FileResponse(STATIC_DIR / name, media_type=media_type, headers={"Cache-Control": "no-cache"})
+
+    return serve
+
+
+for _path in PAGE_FILES:
+    router.add_api_route(_path, _page_file(_path), methods=["GET"], include_in_schema=False)
+
+
+@router.get("/picrag/policies")
+async def policies(request: Request) -> dict:
+    """The policies this server knows, each with whether it serves them (and why not), and the default."""
+    rag = frontend(request).rag
+    menu = [
+        {"name": family.name, "syntax": family.syntax, "summary": family.summary,
+         "available": family.name not in rag.unavailable_policies,
+         "reason": rag.unavailable_policies.get(family.name)}
+        for family in POLICY_FAMILIES.values()
+    ]
+    for name, summary in EXTRA_POLICIES.items():
+        if name not in POLICY_FAMILIES and _accepted(name):
+            menu.append({"name": name, "syntax": name, "summary": summary, "available": True, "reason": None})
+    return {"default": rag.default_policy.name, "policies": menu}
+
+
+def _accepted(name: str) -> bool:
+    try:
+        NamedPolicy.parse(name)
+    except PolicyError:
+        return False
+    return True
+
+
+@router.get("/picrag/stats")
+async def stats(request: Request) -> dict:
+    """The frontend's RAG answers per policy (requests, tokens, TTFT p50/p90 in ms) and the
+    runtime's picrag counters (`cache`: null, with `cache_error`, when its /metrics fails)."""
+    summary = request_stats(request).summary()
+    try:
+        response = await frontend(request).client.get("/metrics")
+        response.raise_for_status()
+        counters = picrag_counters(response.text)
+    except httpx.HTTPError as exc:
+        logger.warning("runtime /metrics for /picrag/stats failed: %s", exc)
+        return {**summary, "cache": None, "cache_error": f"runtime /metrics: {exc}"}
+    return {**summary, "cache": {"counters": counters, "chunk_hit_rate": hit_rate(counters)}, "cache_error": None}
+
+
+def picrag_counters(metrics_text: str) -> dict[str, float]:
+    """Every picrag counter in a Prometheus text exposition, by its name without the prefix
+    (`picrag_chunk_hits_total` -> `chunk_hits`), summed over label sets (one per process)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counters: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.type != "counter" or not family.name.startswith(COUNTER_PREFIX):
+            continue
+        total = sum(s.value for s in family.samples if s.name == f"{family.name}_total")
+        counters[family.name.removeprefix(COUNTER_PREFIX)] = total
+    return counters
+
+
+def hit_rate(counters: dict[str, float]) -> float | None:
+    """Chunks of linked requests found cached over all their chunks; None before any."""
+    hits, misses = counters.get("chunk_hits", 0.0), counters.get("chunk_misses", 0.0)
+    return hits / (hits + misses) if hits + misses else None
