@@ -187,3 +187,24 @@ def test_bench_quality_writes_a_calibration_table(tmp_path):
     assert auto.choose(1600).policy.name == "cacherepair" and auto.choose(200).policy.name == "cacherepair"
     assert AutoPolicy(0.25, CalibrationTable.read(path)).choose(200).policy.name == "legolink:16"
     assert calibration_table(results, summary, "unknown-model", "x").repair_checkpoint is None
+
+
+def test_auto_never_picks_a_policy_the_self_check_refuses(tokenizer, tmp_path):
+    from rag_server.linking.reuse_gate import FAILED, Check, ReuseGate, SelfCheckReport
+    from rag_server.service.auto_policy import never_picked
+
+    refused = never_picked({"cacheblend": "no masks"}, "the start-up self-check failed (rotation)")
+    assert refused["cacheblend"] == "no masks" and refused["naive"].startswith("the start-up self-check failed")
+    assert "full" not in refused and "prefix" not in refused
+    assert never_picked({"cacheblend": "no masks"}, None) == {"cacheblend": "no masks"}
+    assert AutoPolicy(math.inf, TABLE).choose(300, refused).policy.name == "full"
+
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(TABLE.as_json()))
+    quality = QualityControl.open(QualitySettings(target=math.inf, calibration=path), None, None)
+    gate = ReuseGate(SelfCheckReport((Check("rotation", FAILED, "keys differ"),), 0.1), "prefix")
+    service = RagService(tokenizer, pipeline=None, limits=ContextLimits(8192, 8186), quality=quality, reuse_gate=gate)
+    plan = asyncio.run(service.plan(RagRequest("Which letter?", NamedPolicy.parse("auto"), 8, documents=PASSAGES)))
+    # full, chosen by auto itself: not a reuse policy the gate then serves as something else.
+    assert plan.request.policy.name == "full" and plan.warnings == []
+    assert plan.policy_reason.startswith("auto: full (no policy within target inf")

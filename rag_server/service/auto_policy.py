@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rag_server.service.first_token_quality import BUCKET_BOUNDS, QualityRecord, bucket_labels, size_bucket
-from sglang_patches.policies import Policy, PolicyError, parse_policy
+from sglang_patches.policies import POLICY_FAMILIES, Policy, PolicyError, parse_policy
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +104,16 @@ def shipped_table(model_path: Path, repair_checkpoint: Optional[Path]) -> Option
                     path.name, table.repair_checkpoint)
         return table.without_repair()
     return table
+
+
+def never_picked(unavailable: Mapping[str, str], reuse_refusal: Optional[str]) -> dict[str, str]:
+    """Families `auto` must not pick: those this server cannot run, and every chunk-reusing one
+    while the start-up self-check refuses reuse (rag_server/linking/reuse_gate.py)."""
+    refused = dict(unavailable)
+    for name, family in POLICY_FAMILIES.items():
+        if reuse_refusal is not None and family.reuses_chunks:
+            refused.setdefault(name, reuse_refusal)
+    return refused
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rag_server.linking.pipeline import LinkPipeline, Linked
-from rag_server.service.auto_policy import AUTO
+from rag_server.linking.reuse_gate import ReuseGate
+from rag_server.service.auto_policy import AUTO, never_picked
 from rag_server.service.context_window import (ContextLimits, FittedPassages, PromptTooLong, ScoredPassage,
                                                fit_passages)
 from rag_server.service.quality import QualityControl, QualitySettings
-from retrieval.prompt_layout import DEFAULT_SYSTEM_PROMPT, CompiledPrompt, PromptLayout, Tokenizer
+from retrieval.prompt_layout import DEFAULT_SYSTEM_PROMPT, CompiledPrompt, PromptLayout, PromptLayoutError, Tokenizer
 from sglang_patches.link_hints import LinkRequest
 from sglang_patches.policies import Policy, PolicyError, PolicyFamily, parse_policy
 
@@ -150,6 +151,7 @@ class RagService:
         default_policy: NamedPolicy | None = None,  # None: DEFAULT_POLICY
         unavailable_policies: Mapping[str, str] | None = None,
         quality: QualityControl | None = None,  # None: no calibration table, no shadow sampling
+        reuse_gate: ReuseGate = ReuseGate(),  # chunk reuse after the start-up self-check
     ):
         self.tokenizer = tokenizer
         self.pipeline = pipeline
@@ -160,6 +162,7 @@ class RagService:
         self.layout = PromptLayout(tokenizer)
         self.quality = quality or QualityControl.open(QualitySettings(), None, pipeline)
         self._running = 0  # run()s in flight: shadow samples wait for a quieter moment
+        self.reuse_gate = reuse_gate
 
     def check_available(self, family: PolicyFamily) -> None:
         """Raises PolicyError for a policy family this server cannot run (cacherepair without a
@@ -202,7 +205,7 @@ class RagService:
         try:
             # Templating and tokenizing a large input take a while: off the event loop.
             fitted, prompt = await asyncio.to_thread(self._prompt, request, candidates, budget)
-        except PromptTooLong as exc:
+        except (PromptLayoutError, PromptTooLong) as exc:
             raise RagRequestError(str(exc)) from exc
         warnings = []
         if fitted.dropped:
@@ -212,9 +215,14 @@ class RagService:
             )
         reason = None
         if request.policy.auto:
-            choice = self.quality.auto.choose(len(prompt.input_ids), self.unavailable_policies)
+            choice = self.quality.auto.choose(len(prompt.input_ids),
+                                              never_picked(self.unavailable_policies, self.reuse_gate.refusal))
             request = dataclasses.replace(request, policy=NamedPolicy(choice.policy.name, choice.policy))
             reason = choice.reason
+        served = self.reuse_gate.served(request.policy.policy)
+        if served != request.policy.policy:
+            warnings.append(f"policy {request.policy.name} served as {served.name}: {self.reuse_gate.refusal}")
+            request = dataclasses.replace(request, policy=NamedPolicy(served.name, served))
         return RagPlan(request, prompt, fitted.kept, fitted.dropped, warnings, retrieval_ms, started, reason)
 
     def _prompt(self, request: RagRequest, candidates: Sequence[ScoredPassage],
