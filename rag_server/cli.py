@@ -96,6 +96,9 @@ def _serve(args: argparse.Namespace) -> int:
     from rag_server.service.quality import QualitySettings
     from rag_server.service.rag_service import NamedPolicy
     from rag_server.service.shadow import ShadowSettings
+    from rag_server.launch.selfcheck import run_self_check
+    from rag_server.linking.reuse_gate import ReuseGate
+    from retrieval.default_corpus import DefaultCorpusError, ensure_default_index
 
     model_path = resolve_model(args.model)
     try:
@@ -141,11 +144,24 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, terminate)
     if isinstance(runtime, EngineGroup):
         return RUNTIME_DIED_EXIT if run_engines(runtime, args.start_timeout) else 0
+    index_dir = args.index
+    if index_dir is None and not args.no_index:
+        try:
+            index_dir = ensure_default_index(args.default_corpus_passages)
+        except DefaultCorpusError as exc:
+            print(f"picrag serve: error: {exc}", file=sys.stderr)
+            return 2
     died: list[str] = []
     try:
         runtime.start(timeout_s=args.start_timeout)
+        gate = ReuseGate() if args.no_selfcheck else ReuseGate(
+            run_self_check(runtime.url, model_path, unavailable), args.on_selfcheck_failure)
+        if args.no_selfcheck:
+            logger.info("start-up self-check skipped (--no-selfcheck): chunk reuse is served unchecked")
+        elif gate.refusal:
+            logger.warning("chunk-reusing policies %s: %s", gate.as_json()["reuse"], gate.refusal)
         logger.info("picrag frontend listening on http://%s:%d (runtime %s)", args.host, args.port, runtime.url)
-        app = create_app(runtime.url, model_path=model_path, index_dir=args.index,
+        app = create_app(runtime.url, model_path=model_path, index_dir=index_dir,
                          default_policy=policy,
                          unavailable_policies=unavailable,
                          api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
@@ -156,7 +172,8 @@ def _serve(args: argparse.Namespace) -> int:
                                                    args.runtime_total_timeout),
                          health_interval_s=args.health_interval,
                          quality=QualitySettings(args.quality_target, args.calibration, repair_checkpoint,
-                                                 ShadowSettings(rate=args.shadow_rate)))
+                                                 ShadowSettings(rate=args.shadow_rate)),
+                         reuse_gate=gate)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                                timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
 
@@ -228,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     from rag_server.api.health import DEFAULT_INTERVAL_S
     from rag_server.api import upstream
     from rag_server.service.quality import DEFAULT_QUALITY_TARGET
+    from rag_server.linking.reuse_gate import DEFAULT_FAILURE_ACTION, FAILURE_ACTIONS
+    from retrieval import default_corpus
     from rag_server.service.shadow import DEFAULT_SHADOW_RATE
 
     serve = commands.add_parser(
@@ -286,8 +305,15 @@ def build_parser() -> argparse.ArgumentParser:
                        "with --engines-only and the same --model (repeatable)")
     serve.add_argument("--runtime-url", default=None, metavar="URL",
                        help="start no runtime and no gateway: the frontend talks to the gateway or runtime at URL")
-    serve.add_argument("--index", type=Path, default=None, metavar="DIR",
-                       help="passage index (`picrag index build`) that /rag/query retrieves from")
+    index = serve.add_mutually_exclusive_group()
+    index.add_argument("--index", type=Path, default=None, metavar="DIR",
+                       help="passage index (`picrag index build`) that /rag/query retrieves from (default: "
+                       f"the default corpus, {default_corpus.describe()}, indexed under $PICRAG_HOME/indexes on "
+                       "first use)")
+    index.add_argument("--no-index", action="store_true",
+                       help="serve no passage index: RAG requests must carry their documents")
+    serve.add_argument("--default-corpus-passages", type=_positive_int, default=None, metavar="N",
+                       help="index only the default corpus's first N passages (a faster first start)")
     serve.add_argument("--default-policy", default=None, type=_policy_name,
                        help="link policy of requests that name none (default "
                        f"{DEFAULT_POLICY}, or naive where the attention backend cannot mask by position): "
@@ -338,6 +364,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fraction of requests served by a chunk-reusing policy that are also run as full "
                        "for one token in the background, to measure first-token KL and agreement "
                        f"(GET /picrag/quality, /picrag/metrics; default {DEFAULT_SHADOW_RATE:g}; 0: off)")
+    serve.add_argument("--on-selfcheck-failure", choices=FAILURE_ACTIONS, default=DEFAULT_FAILURE_ACTION,
+                       help="when the start-up self-check finds that chunk reuse does not answer like "
+                       "computing the prompt: serve requests for chunk-reusing policies as prefix (default: "
+                       "exact, and shared prefixes are still reused), as full, or refuse them (400); "
+                       "/health and the log say why")
+    serve.add_argument("--no-selfcheck", action="store_true",
+                       help="skip the start-up self-check (a few seconds): chunk reuse is served unchecked")
     serve.set_defaults(func=_serve)
 
     ask = commands.add_parser(

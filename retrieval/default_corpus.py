@@ -38,6 +38,10 @@ class DefaultCorpusError(RuntimeError):
     pass
 
 
+def describe() -> str:
+    return f"{sum(count for _, count in SOURCES):,} Wikipedia passages of BoolQ and Disfl-QA from {PACKAGE}=={PACKAGE_VERSION}"
+
+
 def corpus_files() -> list[Path]:
     try:
         package = distribution(PACKAGE)

@@ -77,7 +77,9 @@ def start_picrag_server(log: Path, extra_args: list[str]) -> ServerHandle:
 
     port = free_port()
     try:
-        process = start_picrag_serve(port, extra_args, log)
+        # No passage index: tests that retrieve bring their own (tests/test_default_corpus.py
+        # starts the one server that serves the default corpus).
+        process = start_picrag_serve(port, ["--no-index", *extra_args], log)
     except ServeStartError as exc:
         pytest.fail(str(exc))
     return ServerHandle(f"http://127.0.0.1:{port}", process, log)

@@ -59,7 +59,8 @@ def test_restart_reuses_persisted_chunks_and_catches_corruption(tmp_path, defaul
     prompt = layout.build(musique[40]["question"], passages_of(musique[40], [0, 1, 2]))
     segments = len(prompt.chunks) + 1  # head + passages
 
-    first = start_picrag_server(tmp_path / "first.log", ["--chunk-store", str(store_dir)])
+    # No self-check: its compiles would add files and disk counts to the ones asserted here.
+    first = start_picrag_server(tmp_path / "first.log", ["--chunk-store", str(store_dir), "--no-selfcheck"])
     try:
         with first.client() as client:
             before_restart = generate(client, prompt.input_ids, "naive", prompt.chunks, logprobs=True)
@@ -70,7 +71,7 @@ def test_restart_reuses_persisted_chunks_and_catches_corruption(tmp_path, defaul
     files = sorted(store_dir.rglob("*.safetensors"))
     assert len(files) == segments
 
-    second = start_picrag_server(tmp_path / "second.log", ["--chunk-store", str(store_dir)])
+    second = start_picrag_server(tmp_path / "second.log", ["--chunk-store", str(store_dir), "--no-selfcheck"])
     try:
         with second.client() as client:
             after_restart = generate(client, prompt.input_ids, "naive", prompt.chunks, logprobs=True)

@@ -116,7 +116,7 @@ class FakeRuntime:
     calls: list[str] = field(default_factory=list)  # policy of each /generate: compile, vanilla, naive, ...
 
     def handle(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/server_info":
+        if request.url.path == "/get_server_info":
             return httpx.Response(200, json={"internal_states": [{SERVER_INFO_KEY: self.rope} if self.rope else {}]})
         if request.url.path == "/flush_cache":
             return httpx.Response(200, json={"success": True})
@@ -243,3 +243,91 @@ def test_a_passed_or_skipped_check_changes_nothing():
     assert ReuseGate().as_json() == {"status": "not run", "reuse": "as asked, unchecked"}
     with pytest.raises(ValueError, match="on_failure"):
         ReuseGate(FAILED_REPORT, "naive")
+
+
+# ---- a frontend after a failed check, in front of a fake runtime -------------------------------
+
+DOCUMENTS = [{"title": "Eiffel Tower", "text": "The Eiffel Tower is a wrought-iron lattice tower in Paris."}]
+
+
+def recording(policies: list[str]):
+    """A /generate handler that notes each request's policy (vanilla: none) and answers "Paris"."""
+    from starlette.responses import JSONResponse, StreamingResponse
+
+    from tests.fake_runtime import event
+
+    async def generate(request):
+        body = await request.json()
+        link = parse_link_request(body.get("kv_hints"))
+        policies.append("vanilla" if link is None else "compile" if link.compile else link.policy)
+        meta = {"prompt_tokens": 9, "completion_tokens": 1, "finish_reason": {"type": "stop"}}
+        if not body.get("stream"):
+            return JSONResponse({"text": "Paris", "output_ids": [7], "meta_info": meta})
+
+        async def events():
+            yield event({"text": "Paris", "meta_info": meta})
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return generate
+
+
+def link_hints_naive() -> dict:
+    from sglang_patches.link_hints import link_hints
+
+    return link_hints("naive", [(0, 3)])
+
+
+def test_a_failed_check_serves_reuse_as_prefix_and_health_says_why(default_model_dir):
+    from tests.fake_runtime import fake_runtime
+    from tests.inprocess_frontend import frontend
+
+    policies: list[str] = []
+    with fake_runtime(default_model_dir, recording(policies)) as (_fake, runtime_url), \
+            frontend(runtime_url, reuse_gate=ReuseGate(FAILED_REPORT, "prefix")) as url, \
+            httpx.Client(base_url=url, timeout=120) as client:
+        answer = client.post("/rag/query", json={"question": "Where is the Eiffel Tower?", "max_tokens": 2,
+                                                 "policy": "legolink:4", "documents": DOCUMENTS})
+        linked = client.post("/generate", json={"input_ids": [5, 6, 7, 8, 9], "kv_hints": link_hints_naive()})
+        health = client.get("/health").json()
+    assert answer.status_code == 200 and linked.status_code == 200, (answer.text, linked.text)
+    assert answer.json()["policy"] == "prefix"
+    assert any("legolink:4 served as prefix: the start-up self-check failed (rope_shift: keys differ)" in w
+               for w in answer.json()["warnings"]), answer.json()
+    # Nothing compiled, nothing linked as asked: both reached the runtime as prefix.
+    assert policies == ["prefix", "prefix"]
+    assert health["selfcheck"]["status"] == FAILED and health["selfcheck"]["reuse"] == "served as prefix"
+
+
+def test_refuse_answers_400_with_the_reason_and_serves_the_default_as_prefix(default_model_dir):
+    from tests.fake_runtime import fake_runtime
+    from tests.inprocess_frontend import frontend
+
+    policies: list[str] = []
+    with fake_runtime(default_model_dir, recording(policies)) as (_fake, runtime_url), \
+            frontend(runtime_url, reuse_gate=ReuseGate(FAILED_REPORT, "refuse")) as url, \
+            httpx.Client(base_url=url, timeout=120) as client:
+        refused = client.post("/rag/query", json={"question": "Where?", "max_tokens": 2, "policy": "naive",
+                                                  "documents": DOCUMENTS})
+        refused_link = client.post("/generate", json={"input_ids": [5, 6, 7, 8, 9], "kv_hints": link_hints_naive()})
+        default = client.post("/rag/query", json={"question": "Where?", "max_tokens": 2, "documents": DOCUMENTS})
+        health = client.get("/health").json()
+    for response in (refused, refused_link):
+        assert response.status_code == 400 and "the start-up self-check failed (rope_shift: keys differ)" in response.text
+    assert default.status_code == 200 and default.json()["policy"] == "prefix"
+    assert policies == ["prefix"]
+    assert health["selfcheck"]["reuse"] == "refused"
+
+
+# ---- the shared server ------------------------------------------------------------------------
+
+@pytest.mark.server
+def test_the_shared_server_passed_its_selfcheck_and_says_so(picrag_server):
+    with picrag_server.client() as client:
+        selfcheck = client.get("/health").json()["selfcheck"]
+    assert selfcheck["status"] == PASSED and selfcheck["reuse"] == "as asked", selfcheck
+    assert [(c["name"], c["status"]) for c in selfcheck["checks"]] == [
+        ("rope_shift", PASSED), ("reuse_at_offset_0", PASSED), ("legolink_covering_chunks", PASSED)]
+    log = picrag_server.log.read_text()
+    assert "self-check legolink_covering_chunks: passed: legolink:" in log and "self-check passed in" in log

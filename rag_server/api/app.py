@@ -26,6 +26,7 @@ from rag_server.api.request_stats import RequestStats
 from rag_server.api.state import Frontend, FrontendSettings
 from rag_server.api.upstream import UpstreamTimeouts
 from rag_server.api.validation_errors import validation_error
+from rag_server.linking.reuse_gate import ReuseGate
 from rag_server.service.quality import QualitySettings
 from rag_server.service.rag_service import DEFAULT_POLICY, NamedPolicy
 from sglang_patches.policies import PolicyError
@@ -47,6 +48,7 @@ def create_app(
     timeouts: UpstreamTimeouts = UpstreamTimeouts(),
     health_interval_s: float = DEFAULT_INTERVAL_S,
     quality: QualitySettings = QualitySettings(),
+    reuse_gate: ReuseGate = ReuseGate(),
 ) -> FastAPI:
     """The frontend for a runtime that is already up. `model_path` (default: the runtime's)
     gives the tokenizer and context window; `index_dir` the passage index to retrieve from.
@@ -58,15 +60,18 @@ def create_app(
     the runtime (rag_server/api/upstream.py); `/health` reports the runtime's state as probed
     every `health_interval_s` (rag_server/api/health.py). `unavailable_policies`: policy family ->
     why this server refuses it (cacherepair without a checkpoint for the model). `quality`: the
-    `auto` policy's target and table, and shadow sampling (rag_server/service/quality.py)."""
-    unavailable = dict(unavailable_policies or {})
+    `auto` policy's target and table, and shadow sampling (rag_server/service/quality.py).
+    `reuse_gate`: chunk reuse after the start-up self-check (rag_server/linking/reuse_gate.py);
+    the families it refuses join the unavailable ones, and a refused default becomes prefix."""
+    unavailable = {**(unavailable_policies or {}), **reuse_gate.unavailable()}
     try:
-        default = NamedPolicy.parse(default_policy)
+        default = NamedPolicy.parse(reuse_gate.default_policy(default_policy))
     except PolicyError as exc:
         raise ValueError(f"default policy: {exc}") from exc
     if default.family.name in unavailable:
         raise ValueError(f"default policy {default_policy!r} is unavailable: {unavailable[default.family.name]}")
-    settings = FrontendSettings(runtime_url, default, model_path, index_dir, unavailable, timeouts, quality)
+    settings = FrontendSettings(runtime_url, default, model_path, index_dir, unavailable, timeouts, quality,
+                                reuse_gate=reuse_gate)
 
     app = FastAPI(title="picrag", version="0.1.0", lifespan=lambda app: _running(app, settings))
     app.state.health = HealthMonitor(runtime_url, health_interval_s, timeouts.connect_s)

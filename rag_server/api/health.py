@@ -20,6 +20,8 @@ import httpx
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from rag_server.api.state import frontend
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL_S = 5.0
@@ -110,4 +112,6 @@ router = APIRouter()
 @router.get("/health")
 async def health(request: Request) -> Response:
     status, body = request.app.state.health.report()
+    # The start-up self-check: whether chunk-reusing policies are served as asked, and why not.
+    body["selfcheck"] = frontend(request).pipeline.gate.as_json()
     return JSONResponse(body, status)

@@ -17,6 +17,7 @@ from rag_server.api.chunk_markers import leading_special_tokens
 from rag_server.api.upstream import UpstreamTimeouts, runtime_client
 from rag_server.linking.chunk_compiler import ChunkCompiler
 from rag_server.linking.pipeline import LinkPipeline
+from rag_server.linking.reuse_gate import ReuseGate
 from rag_server.service.context_window import ContextLimits
 from rag_server.service.quality import QualityControl, QualitySettings
 from rag_server.service.rag_service import NamedPolicy, RagService
@@ -31,6 +32,7 @@ class FrontendSettings:
     unavailable_policies: Mapping[str, str] = field(default_factory=dict)  # family -> why not here
     timeouts: UpstreamTimeouts = UpstreamTimeouts()  # every call to the runtime
     quality: QualitySettings = QualitySettings()  # `auto` and shadow sampling
+    reuse_gate: ReuseGate = ReuseGate()  # chunk reuse after the start-up self-check
 
 
 @dataclass
@@ -49,7 +51,8 @@ class Frontend:
             model_dir = Path(settings.model_path or info["model_path"])
             tokenizer = await asyncio.to_thread(_load_tokenizer, Path(info.get("tokenizer_path") or model_dir))
             retriever = await asyncio.to_thread(_open_index, settings.index_dir) if settings.index_dir else None
-            pipeline = LinkPipeline(client, ChunkCompiler(client), sink_token=tokenizer.bos_token_id)
+            pipeline = LinkPipeline(client, ChunkCompiler(client), sink_token=tokenizer.bos_token_id,
+                                    gate=settings.reuse_gate)
             rag = RagService(
                 tokenizer,
                 pipeline,
@@ -58,6 +61,7 @@ class Frontend:
                 default_policy=settings.default_policy,
                 unavailable_policies=settings.unavailable_policies,
                 quality=await asyncio.to_thread(QualityControl.open, settings.quality, model_dir, pipeline),
+                reuse_gate=settings.reuse_gate,
             )
         except BaseException:
             await client.aclose()

@@ -4,7 +4,7 @@ computing the prompt gives, before any request is linked with a chunk-reusing po
 Three checks, each of one fact chunk reuse rests on:
 1. rope_shift: keys moved by re-rotation equal fresh keys at the new positions. The engine runs
    it with the model's own rotary embedding when its chunk cache starts
-   (sglang_patches.selfcheck) and reports it in the runtime's `/server_info`; read from there.
+   (sglang_patches.selfcheck) and reports it in the runtime's `/get_server_info`; read from there.
 2. reuse_at_offset_0: a passage compiled alone and reused at offset 0 (`naive`) answers like
    SGLang's prefix cache holding the same passage.
 3. legolink_covering_chunks: `legolink:K` with K at least every passage's length recomputes every
@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import httpx
 
-from rag_server.linking.chunk_compiler import ChunkCompiler
+from rag_server.linking.chunk_compiler import ROUTING_KEY_HEADER, ChunkCompiler, passage_set_key
 from rag_server.linking.pipeline import GenerationError, LinkPipeline
 from rag_server.linking.reuse_gate import FAILED, PASSED, SKIPPED, Check, SelfCheckReport
 from retrieval.prompt_layout import PromptLayout, PromptPassage
@@ -126,7 +126,7 @@ class SelfCheck:
         return SelfCheckReport(tuple(checks), time.perf_counter() - started)
 
     async def _rope_check(self) -> tuple[Check, str]:
-        info = (await self.client.get("/server_info")).json()
+        info = (await self.client.get("/get_server_info")).json()
         states = info.get("internal_states") or [{}]
         reported = [state.get(SERVER_INFO_KEY) for state in states]
         if any(check is None for check in reported):
@@ -145,15 +145,17 @@ class SelfCheck:
         except (GenerationError, httpx.HTTPError, KeyError, ValueError) as exc:
             return Check(name, FAILED, f"{type(exc).__name__}: {exc}")
 
-    async def _linked(self, input_ids: list[int], policy: str, chunks: list[tuple[int, int]]) -> dict:
-        linked = await self.pipeline.generate(input_ids, LinkRequest.of(policy, chunks), _request_fields())
+    async def _linked(self, input_ids: list[int], link: LinkRequest) -> dict:
+        linked = await self.pipeline.generate(input_ids, link, _request_fields())
         body = b"".join([piece async for piece in linked.body()])
         if linked.response.status_code != 200:
-            raise _CheckFailed(f"{policy} answered {linked.response.status_code}: {body[:300].decode(errors='replace')}")
+            raise _CheckFailed(f"{link.policy} answered {linked.response.status_code}: {body[:300].decode(errors='replace')}")
         return json.loads(body)
 
-    async def _vanilla(self, input_ids: list[int]) -> dict:
-        response = await self.client.post("/generate", json={"input_ids": input_ids, **_request_fields()})
+    async def _vanilla(self, input_ids: list[int], route: str) -> dict:
+        # Behind the model gateway, with the linked request's routing key: to the same replica.
+        response = await self.client.post("/generate", json={"input_ids": input_ids, **_request_fields()},
+                                          headers={ROUTING_KEY_HEADER: route})
         if response.status_code != 200:
             raise _CheckFailed(f"a plain /generate answered {response.status_code}: {response.text[:300]}")
         return response.json()
@@ -161,10 +163,12 @@ class SelfCheck:
     async def _reuse_at_offset_0(self, tolerance: Tolerance) -> str:
         chunk = self.layout.passage_ids(PASSAGES[0])
         input_ids = chunk + self.layout.question_ids(QUESTION)
-        naive = await self._linked(input_ids, "naive", [(0, len(chunk))])
+        link = LinkRequest.of("naive", [(0, len(chunk))])
+        naive = await self._linked(input_ids, link)
         # SGLang's prefix cache: the passage alone first, then the prompt, which finds it cached.
-        await self._vanilla(chunk)
-        reference = await self._vanilla(input_ids)
+        route = passage_set_key(input_ids, link)
+        await self._vanilla(chunk, route)
+        reference = await self._vanilla(input_ids, route)
         meta = _meta(naive)
         if meta.get("picrag_chunk_hits") != 1 or meta.get("picrag_reused_tokens", 0) < len(chunk):
             raise _CheckFailed(f"the compiled passage was not reused (chunk hits {meta.get('picrag_chunk_hits')}, "
@@ -179,8 +183,8 @@ class SelfCheck:
     async def _legolink_covering(self, tolerance: Tolerance) -> str:
         prompt = self.layout.build(QUESTION, PASSAGES)
         k = max(end - start for start, end in prompt.chunks)
-        lego = await self._linked(prompt.input_ids, f"legolink:{k}", prompt.chunks)
-        full = await self._linked(prompt.input_ids, "full", prompt.chunks)
+        lego = await self._linked(prompt.input_ids, LinkRequest.of(f"legolink:{k}", prompt.chunks))
+        full = await self._linked(prompt.input_ids, LinkRequest.of("full", prompt.chunks))
         computed = _meta(lego).get("picrag_computed_tokens")
         expected = len(prompt.input_ids) - len(self.layout.head_ids)
         if computed != expected:

@@ -32,6 +32,7 @@ import httpx
 
 from rag_server.linking import sse
 from rag_server.linking.chunk_compiler import ROUTING_KEY_HEADER, ChunkCompiler, CompileError, passage_set_key
+from rag_server.linking.reuse_gate import ReuseGate
 from sglang_patches.link_hints import LinkRequest, runtime_request
 
 logger = logging.getLogger(__name__)
@@ -158,10 +159,12 @@ class Linked:
 
 
 class LinkPipeline:
-    def __init__(self, client: httpx.AsyncClient, compiler: ChunkCompiler, sink_token: Optional[int] = None):
+    def __init__(self, client: httpx.AsyncClient, compiler: ChunkCompiler, sink_token: Optional[int] = None,
+                 gate: ReuseGate = ReuseGate()):
         self.client = client
         self.compiler = compiler
         self.sink_token = sink_token  # the model's BOS: the sink that policies with sink tokens compile
+        self.gate = gate  # what chunk-reusing links are served as after the start-up self-check
 
     def with_sink(self, link: LinkRequest) -> LinkRequest:
         """`link` with this model's sink token where its policy compiles chunks behind sinks
@@ -181,6 +184,7 @@ class LinkPipeline:
         """Send `fields` (a /generate body without its prompt) with `input_ids` linked as
         `link` says, its chunks compiled first; relinked when chunks are missing at link time.
         `headers` and `params` go with every link request."""
+        link = self.gate.link(link)
         runtime_ids, hints = runtime_request(input_ids, link)
         route = passage_set_key(input_ids, link)
         if route:  # behind the gateway, the compile and the link go to the replica of the passage set
