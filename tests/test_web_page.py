@@ -166,8 +166,8 @@ def test_page_streams_an_answer_and_fills_the_panels(picrag_server, browser):
         _wait("the requests panel", lambda: _requests_shown(browser, POLICY) == before + 3, 15)
         assert stats["cache"]["chunk_hit_rate"] > 0
         rate = stats["cache"]["chunk_hit_rate"]
-        _wait("the hit-rate panel", lambda: _by_id(browser, "hit-rate").get_attribute("data-value")
-              == str(rate), 15)
+        _wait("the hit-rate panel", lambda: float(_by_id(browser, "hit-rate").get_attribute("data-value") or "nan")
+              == rate, 15)
         compiled = _css(browser, '#store-table tr[data-counter="compile_chunk_misses"] td.n')
         assert compiled and float(compiled[0].text.replace(",", "")) > 0
         assert _by_id(browser, "ttft-p50").text.isdigit() and _by_id(browser, "ttft-p90").text.isdigit()

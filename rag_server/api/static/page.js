@@ -279,7 +279,7 @@ function svg(tag, attrs = {}, text) {
 
 // Horizontal bars, one row per label, one bar per value (values null are left out).
 function barChart(el, rows, colors, format, empty = "no requests yet") {
-  const width = 320, labelWidth = 110, barHeight = 12, gap = 6;
+  const width = 480, labelWidth = 130, barHeight = 12, gap = 6;
   const rowHeight = barHeight * colors.length + gap;
   const max = Math.max(0, ...rows.flatMap((r) => r.values.filter((v) => v != null)));
   const chart = svg("svg", { viewBox: `0 0 ${width} ${Math.max(rows.length * rowHeight, 18)}`, role: "img" });
@@ -303,7 +303,7 @@ function barChart(el, rows, colors, format, empty = "no requests yet") {
 // A line over `values` in order, with its caption and its largest value; `top`: the y-axis top
 // (default: the largest value).
 function lineChart(el, values, caption, format, top) {
-  const width = 320, height = 60, pad = 14;
+  const width = 480, height = 50, pad = 14;
   const chart = svg("svg", { viewBox: `0 0 ${width} ${height + pad}`, role: "img" });
   const max = top || Math.max(...values, 0);
   if (values.length && max > 0) {
