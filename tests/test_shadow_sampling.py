@@ -191,7 +191,7 @@ def test_shadow_sampling_never_changes_the_answer_and_fills_the_quality_view(pic
         with httpx.Client(base_url=quiet_url, timeout=600) as quiet:
             unshadowed = quiet.post("/rag/query", json=query).json()
             assert quiet.get("/picrag/quality").json()["shadow_cost"]["sent"] == 0
-    with frontend(picrag_server.url, quality=QualitySettings(shadow=ShadowSettings(rate=1.0))) as url:
+    with frontend(picrag_server.url, quality=QualitySettings(target=0.7, shadow=ShadowSettings(rate=1.0))) as url:
         with httpx.Client(base_url=url, timeout=600) as client:
             shadowed = client.post("/rag/query", json=query).json()
             deadline = time.monotonic() + 300
@@ -201,6 +201,10 @@ def test_shadow_sampling_never_changes_the_answer_and_fills_the_quality_view(pic
                 time.sleep(0.5)
             after = client.post("/rag/query", json=query).json()
             metrics = client.get("/picrag/metrics").text
+            auto = client.post("/rag/query", json={**query, "policy": "auto"}).json()
+            chat = client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": query["question"]}], "max_tokens": 4,
+                "picrag": {"documents": DOCUMENTS, "policy": "auto"}}).json()
     assert shadowed["answer"] == unshadowed["answer"] == after["answer"]
     assert shadowed["policy"] == "naive" and shadowed["policy_reason"] is None
     cell = view["policies"]["naive"][shadowed["usage"]["prompt_tokens"] < 512 and "<512" or "512-1024"]
@@ -208,3 +212,10 @@ def test_shadow_sampling_never_changes_the_answer_and_fills_the_quality_view(pic
     assert cell["all_time"]["agreement_rate"] in (0.0, 1.0)
     assert view["shadow_cost"]["prefilled_tokens"] >= shadowed["usage"]["prompt_tokens"]
     assert "picrag_shadow_first_token_kl_count" in metrics and "picrag_shadow_requests_total" in metrics
+    # auto on the shipped SmolLM2 table, target 0.7, a prompt under 512 tokens: naive's 0.677 (its
+    # nearest measured size, 1024-2048) is within. (A frontend in front of picrag serve cannot send
+    # the reordered layout a legolink choice needs: the server's frontend refuses client layouts.)
+    assert auto.get("policy") == "naive", auto
+    assert auto["policy_reason"] == ("auto: naive (expected KL 0.677 <= target 0.7 for <512 tokens; calibration "
+                                     "table, nearest measured size 1024-2048)")
+    assert chat["picrag"]["policy"] == "naive" and chat["picrag"]["policy_reason"] == auto["policy_reason"]
