@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from rag_server.launch.gateway import ROUTING_POLICY, GatewayConfig
-from rag_server.launch.replicas import ExternalEngines, ReplicaSet, engines_for, replica_config
+from rag_server.launch.replicas import (REPLICA_PORTS_FROM, ExternalEngines, ReplicaSet, engines_for, ephemeral_low,
+                                        replica_configs)
 from rag_server.launch.runtime import RuntimeConfig, SGLangRuntime
 from rag_server.linking.chunk_compiler import ROUTING_KEY_HEADER, passage_set_key
 from sglang_patches.chunk_key import chunk_key
@@ -76,13 +77,15 @@ def test_the_compile_and_the_link_carry_the_passage_sets_routing_key():
 def test_replica_configs_split_ports_cores_gpus_and_the_store_bound(tmp_path):
     base = RuntimeConfig(model_path=tmp_path, port=30000, device="cpu", chunk_store=tmp_path,
                          chunk_store_max_bytes=1000)
-    configs = [replica_config(base, i, 2) for i in range(2)]
+    configs = replica_configs(base, 2)
     assert [c.port for c in configs] == [30000, 30001]
     assert [c.chunk_store for c in configs] == [tmp_path, tmp_path]  # one store, shared
     assert [c.chunk_store_max_bytes for c in configs] == [500, 500]
     assert [c.threads for c in configs] == [max(1, (os.cpu_count() or 1) // 2)] * 2
-    assert replica_config(RuntimeConfig(model_path=tmp_path), 1, 2).port == 0  # a free one each
-    on_gpus = [replica_config(RuntimeConfig(model_path=tmp_path, device="cuda"), i, 2) for i in range(2)]
+    # Free ones, apart, where no ephemeral bind takes them before they are bound.
+    free = [c.port for c in replica_configs(RuntimeConfig(model_path=tmp_path), 8)]
+    assert len(set(free)) == 8 and all(REPLICA_PORTS_FROM <= port < ephemeral_low() for port in free)
+    on_gpus = replica_configs(RuntimeConfig(model_path=tmp_path, device="cuda"), 2)
     assert [c.extra_args[-2:] for c in on_gpus] == [["--base-gpu-id", "0"], ["--base-gpu-id", "1"]]
     assert [c.threads for c in on_gpus] == [None, None]
 
@@ -106,7 +109,8 @@ def test_serve_flags_choose_what_is_started(tmp_path):
 def test_the_gateway_hashes_routing_keys():
     command = GatewayConfig(("http://a:1", "http://b:2"), 8000).command()
     assert command[command.index("--policy") + 1] == ROUTING_POLICY == "consistent_hashing"
-    assert command[command.index("--worker-urls") + 1:command.index("--worker-urls") + 3] == ["http://a:1", "http://b:2"]
+    workers = command.index("--worker-urls") + 1
+    assert command[workers:workers + 2] == ["http://a:1", "http://b:2"]
 
 
 # --- two writers of one chunk file ----------------------------------------------------------------

@@ -4,8 +4,8 @@ The gateway runs `consistent_hashing`: a request that carries a routing key
 (`rag_server.linking.chunk_compiler.ROUTING_KEY_HEADER`, which the frontend derives from the
 request's passage set) goes to the worker its key hashes to on the gateway's ring, and keeps
 going there while that worker is healthy; a request without one goes to a random worker. A
-worker that fails a request is routed around at once (the gateway retries a request that never
-reached an engine on another worker) and is marked unhealthy after HEALTH_FAILURES failed
+worker that fails a request is routed around at once (the gateway sends a request whose answer
+had not begun again to another worker) and is marked unhealthy after HEALTH_FAILURES failed
 `/health` probes HEALTH_INTERVAL_S apart; keys that hashed to it move to the next worker on the
 ring, the others stay put.
 

@@ -18,36 +18,67 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import random
+import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 from rag_server.launch.gateway import Gateway, GatewayConfig
-from rag_server.launch.runtime import RuntimeConfig, RuntimeStartError, SGLangRuntime, free_port
+from rag_server.launch.runtime import RuntimeConfig, SGLangRuntime, free_port
 
 logger = logging.getLogger(__name__)
 
 
-def replica_config(config: RuntimeConfig, index: int, replicas: int) -> RuntimeConfig:
-    """Replica `index`'s share of `config`: its own port (`config.port` + index when one was
-    given), its own GPU on CUDA, 1/`replicas` of the cores on CPU, and 1/`replicas` of the chunk
-    store's size bound (each replica bounds the files it wrote or read, so together they keep
-    the bound)."""
+# Free ports for the replicas are taken from here up to the kernel's ephemeral range (SGLang draws
+# the port its scheduler binds later, for NCCL, from 22000 to 29999).
+REPLICA_PORTS_FROM = 30000
+
+
+def ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def port_below_ephemeral(taken: Collection[int] = (), attempts: int = 64) -> int:
+    """A free port outside the ephemeral range and not in `taken`. A replica binds its port only
+    once its model is loaded, a minute after the port was chosen; meanwhile the other replicas'
+    schedulers bind dozens of ephemeral ports, and one of them took a replica's port chosen there."""
+    for port in random.sample(range(REPLICA_PORTS_FROM, ephemeral_low()), attempts):
+        if port in taken:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return free_port()
+
+
+def replica_configs(config: RuntimeConfig, replicas: int) -> list[RuntimeConfig]:
+    """Each replica's share of `config`: its own port (`config.port` + its index when one was
+    given, else a free one outside the ephemeral range), its own GPU on CUDA, 1/`replicas` of the
+    cores on CPU, and 1/`replicas` of the chunk store's size bound (each replica bounds the files
+    it wrote or read, so together they keep the bound)."""
     resolved = config.resolved()
-    extra_args = list(config.extra_args)
-    if resolved.device == "cuda":
-        extra_args += ["--base-gpu-id", str(index)]
     threads = config.threads
     if resolved.device == "cpu" and threads is None:
         threads = max(1, (os.cpu_count() or 1) // replicas)
     max_bytes = config.chunk_store_max_bytes
-    return dataclasses.replace(
+    ports: list[int] = []
+    for index in range(replicas):
+        ports.append(config.port + index if config.port else port_below_ephemeral(taken=ports))
+    gpu = (lambda index: ["--base-gpu-id", str(index)]) if resolved.device == "cuda" else (lambda index: [])
+    return [dataclasses.replace(
         config,
-        port=config.port + index if config.port else 0,
+        port=port,
         threads=threads,
         chunk_store_max_bytes=max_bytes // replicas if max_bytes is not None else None,
-        extra_args=extra_args,
-    )
+        extra_args=[*config.extra_args, *gpu(index)],
+    ) for index, port in enumerate(ports)]
 
 
 def _log_of(log_file: Path | None, name: str) -> Path | None:
@@ -61,7 +92,7 @@ def _check_gpus(config: RuntimeConfig, replicas: int) -> None:
     import torch
 
     if replicas > torch.cuda.device_count():
-        raise RuntimeStartError(f"{replicas} replicas need {replicas} GPUs (one each); "
+        raise ValueError(f"{replicas} replicas need {replicas} GPUs (one each); "
                                 f"this machine has {torch.cuda.device_count()}")
 
 
@@ -71,8 +102,8 @@ class EngineGroup:
 
     def __init__(self, config: RuntimeConfig, replicas: int, log_file: Path | None = None):
         _check_gpus(config, replicas)
-        self.runtimes = [SGLangRuntime(replica_config(config, i, replicas), log_file=_log_of(log_file, f"replica{i}"))
-                         for i in range(replicas)]
+        self.runtimes = [SGLangRuntime(replica, log_file=_log_of(log_file, f"replica{i}"))
+                         for i, replica in enumerate(replica_configs(config, replicas))]
         self._dead: dict[int, str] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -147,8 +178,12 @@ class ReplicaSet:
     """`replicas` runtimes of `config` behind the model gateway; `url` is the gateway's."""
 
     def __init__(self, config: RuntimeConfig, replicas: int, log_file: Path | None = None):
+        if config.chunk_store is None:
+            logger.warning("%d replicas without --chunk-store: a passage moved to another replica "
+                           "is computed again there", replicas)
         self.engines = EngineGroup(config, replicas, log_file)
-        self.gateway = Gateway(GatewayConfig(tuple(self.engines.urls), free_port()), log_file=_log_of(log_file, "gateway"))
+        self.gateway = Gateway(GatewayConfig(tuple(self.engines.urls), free_port()),
+                               log_file=_log_of(log_file, "gateway"))
         self._watching = threading.Event()
 
     @property
@@ -201,7 +236,8 @@ class ExternalEngines:
         if bool(runtime_url) == bool(worker_urls):
             raise ValueError("give either a runtime URL or worker URLs")
         self.config = config.resolved()
-        self.gateway = (Gateway(GatewayConfig(tuple(worker_urls), free_port()), log_file=_log_of(log_file, "gateway"))
+        self.gateway = (Gateway(GatewayConfig(tuple(worker_urls), free_port()),
+                                log_file=_log_of(log_file, "gateway"))
                         if worker_urls else None)
         self._runtime_url = runtime_url
         self._watching = threading.Event()
