@@ -70,6 +70,17 @@ class ServerHandle:
     def client(self, timeout: float = 600.0) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=timeout)
 
+    @property
+    def runtime_url(self) -> str:
+        """The SGLang runtime behind `picrag serve`: its child `sglang.launch_server`."""
+        import psutil
+
+        for child in psutil.Process(self.process.pid).children(recursive=True):
+            command = child.cmdline()
+            if "sglang.launch_server" in command:
+                return f"http://127.0.0.1:{command[command.index('--port') + 1]}"
+        raise AssertionError("no sglang.launch_server under picrag serve")
+
 
 def start_picrag_server(log: Path, extra_args: list[str]) -> ServerHandle:
     from rag_server.launch.runtime import free_port

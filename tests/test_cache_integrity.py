@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import httpx
-import psutil
 import pytest
 
 from rag_server.api.client_fields import client_link, refused_field
@@ -230,15 +229,6 @@ class Scene:
         self.frontend.post("/flush_cache").raise_for_status()
 
 
-def runtime_url(server) -> str:
-    """The SGLang runtime behind `picrag serve`: its child `sglang.launch_server`."""
-    for child in psutil.Process(server.process.pid).children(recursive=True):
-        command = child.cmdline()
-        if "sglang.launch_server" in command:
-            return f"http://127.0.0.1:{command[command.index('--port') + 1]}"
-    raise AssertionError("no sglang.launch_server under picrag serve")
-
-
 @pytest.fixture(scope="module")
 def scene(picrag_server, tokenizer, musique):
     row = musique[11]
@@ -249,7 +239,7 @@ def scene(picrag_server, tokenizer, musique):
     chunks = [(n // 4, n // 2), (n // 2, 3 * n // 4)]  # back to back, so legolink may link them too
     victims = (Victim("naive", LinkRequest.of("naive", chunks)), Victim("legolink", LinkRequest.of("legolink:4", chunks)),
                Victim("prefix", LinkRequest.of("prefix", chunks)))
-    with picrag_server.client(timeout=300) as frontend, httpx.Client(base_url=runtime_url(picrag_server),
+    with picrag_server.client(timeout=300) as frontend, httpx.Client(base_url=picrag_server.runtime_url,
                                                                      timeout=300) as runtime:
         yield Scene(frontend, runtime, messages, ids, len(tokenizer), chunks, victims)
 

@@ -48,7 +48,7 @@ def index_dir(retriever, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def index_frontend(picrag_server, index_dir):
-    with frontend(picrag_server.url, index_dir=index_dir) as url:
+    with frontend(picrag_server.runtime_url, index_dir=index_dir) as url:
         yield url
 
 

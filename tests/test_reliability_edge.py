@@ -2,8 +2,9 @@
 client disconnects.
 
 Frontends with non-default options run in this process (uvicorn in a thread) in front of the
-shared server, whose native routes they proxy like a runtime: the code under test is the
-`create_app` that `picrag serve --api-key ... --max-inflight ...` runs, without a second model.
+shared server's runtime: the code under test is the `create_app` that `picrag serve --api-key ...
+--max-inflight ...` runs, without a second model. (In front of the shared frontend they would be
+its clients, and it refuses the reordered LegoLink hints a frontend sends its runtime.)
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ TOO_LONG_TEXT = "hello " * 9_000
 
 @pytest.fixture(scope="module")
 def guarded(picrag_server) -> Iterator[str]:
-    with frontend(picrag_server.url, api_key=KEY, cors_origins=["https://app.example"]) as url:
+    with frontend(picrag_server.runtime_url, api_key=KEY, cors_origins=["https://app.example"]) as url:
         yield url
 
 
