@@ -148,8 +148,8 @@ def _serve(args: argparse.Namespace) -> int:
     if index_dir is None and not args.no_index:
         try:
             index_dir = ensure_default_index(args.default_corpus_passages)
-        except DefaultCorpusError as exc:
-            print(f"picrag serve: error: {exc}", file=sys.stderr)
+        except (DefaultCorpusError, OSError) as exc:
+            print(f"picrag serve: error: the default corpus: {exc}", file=sys.stderr)
             return 2
     died: list[str] = []
     try:
@@ -160,6 +160,9 @@ def _serve(args: argparse.Namespace) -> int:
             logger.info("start-up self-check skipped (--no-selfcheck): chunk reuse is served unchecked")
         elif gate.refusal:
             logger.warning("chunk-reusing policies %s: %s", gate.as_json()["reuse"], gate.refusal)
+            if gate.default_policy(policy) != policy:
+                logger.warning("requests that name no policy are served as %s, not %s",
+                               gate.default_policy(policy), policy)
         logger.info("picrag frontend listening on http://%s:%d (runtime %s)", args.host, args.port, runtime.url)
         app = create_app(runtime.url, model_path=model_path, index_dir=index_dir,
                          default_policy=policy,
