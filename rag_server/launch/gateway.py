@@ -15,8 +15,6 @@ The gateway is a child process group of its own, like each runtime (rag_server/l
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from rag_server.launch.process_group import stop_process_group
 from rag_server.launch.runtime import free_port
 
 logger = logging.getLogger(__name__)
@@ -119,16 +118,4 @@ class Gateway:
     def stop(self, grace_s: float = SHUTDOWN_GRACE_S + 5.0) -> None:
         if self.process is None:
             return
-        pgid = self.process.pid
-        if self.process.poll() is None:
-            logger.info("Stopping the model gateway (process group %d)", pgid)
-            os.killpg(pgid, signal.SIGTERM)
-            try:
-                self.process.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                logger.warning("model gateway ignored SIGTERM; killing it")
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait()
+        stop_process_group(self.process, "the model gateway", grace_s)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +20,8 @@ from pathlib import Path
 
 import httpx
 import psutil
+
+from rag_server.launch.process_group import stop_process_group
 
 logger = logging.getLogger(__name__)
 
@@ -249,22 +250,7 @@ class SGLangRuntime:
             self._stopping.set()
         if self.process is None:
             return
-        # The process group is the server's pid (start_new_session), and outlives the server
-        # while a worker of it lives.
-        pgid = self.process.pid
-        if self.process.poll() is None:
-            logger.info("Stopping SGLang runtime (process group %d)", pgid)
-            os.killpg(pgid, signal.SIGTERM)
-            try:
-                self.process.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                logger.warning("SGLang runtime ignored SIGTERM; killing it")
-        # Schedulers and detokenizers share the group; make sure none outlives us.
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait()
+        stop_process_group(self.process, "SGLang runtime", grace_s)
 
 
 def _workers_of(pid: int) -> list[tuple[psutil.Process, str]]:
