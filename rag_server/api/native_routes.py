@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 
 from rag_server.api.chunk_markers import link_marked_payload
 from rag_server.api.client_fields import client_link, refused_field
-from rag_server.api.proxy import forward, forwarded_headers, relay
+from rag_server.api.proxy import forward, forwarded_headers, json_object, relay
 from rag_server.api.state import Frontend, frontend
 from rag_server.linking.pipeline import GenerationError
 from sglang_patches.link_hints import LinkHintError, LinkRequest, parse_link_request
@@ -40,12 +40,8 @@ def _error(status: int, message: str, error_type: str) -> JSONResponse:
 @router.post("/generate", include_in_schema=False)
 async def generate(request: Request) -> Response:
     """SGLang's /generate; prompts with a picrag.link hint get their chunks compiled first."""
-    body = await request.body()
-    try:
-        payload = json.loads(body)
-    except ValueError:
-        return await forward(request, body)  # SGLang answers malformed JSON itself
-    if not isinstance(payload, dict):
+    body, payload = await json_object(request)
+    if payload is None:
         return await forward(request, body)
     state = frontend(request)
     refused = refused_field(payload, len(state.rag.tokenizer))

@@ -15,7 +15,6 @@ reuse counters, timings, policy); streamed, it rides on the chunk carrying `fini
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rag_server.api.client_fields import refused_field
 from rag_server.api.message_limits import MAX_MESSAGES, message_limit_error
-from rag_server.api.proxy import forward
+from rag_server.api.proxy import forward, json_object
 from rag_server.api.rag_api import (MAX_DOCUMENTS, MAX_NEW_TOKENS, MAX_QUESTION_CHARS, MAX_TOP_K, Document,
                                     PolicyName, RagAnswer, sse)
 from rag_server.api.state import frontend
@@ -141,12 +140,8 @@ router = APIRouter()
 @router.post("/v1/chat/completions", include_in_schema=False)
 async def chat_completions(request: Request) -> Response:
     """SGLang's chat endpoint, or RAG when the body carries a `picrag` field."""
-    body = await request.body()
-    try:
-        payload = json.loads(body)
-    except ValueError:
-        return await forward(request, body)
-    if not isinstance(payload, dict):
+    body, payload = await json_object(request)
+    if payload is None:
         return await forward(request, body)
     too_many = message_limit_error(payload)
     if too_many:

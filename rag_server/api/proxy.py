@@ -93,6 +93,17 @@ async def _raw_stream(upstream: httpx.Response) -> AsyncIterator[bytes]:
         await upstream.aclose()
 
 
+async def json_object(request: Request) -> tuple[bytes, dict | None]:
+    """The request's body, and its JSON when that is an object. Routes that extend SGLang's
+    forward any other body untouched, so SGLang answers malformed JSON itself."""
+    body = await request.body()
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return body, None
+    return body, payload if isinstance(payload, dict) else None
+
+
 async def forward(request: Request, body: bytes | None = None) -> Response:
     """The client's request (`body`: its body, when the handler read it) answered by the runtime."""
     client = frontend(request).client
