@@ -243,6 +243,17 @@ def read_manifest(pairs_dir: Path) -> dict[str, Any]:
         raise PairsError(f"no readable pairs manifest at {path} (run `picrag repair pairs`): {exc}") from exc
 
 
+def check_resumable(out: Path, settings: dict) -> None:
+    """Refuse to resume pairs in `out` that were made with other settings."""
+    if not (out / MANIFEST_FILE).is_file():
+        return
+    existing = read_manifest(out)
+    changed = [k for k, v in settings.items() if existing.get(k) != v]
+    if changed:
+        raise PairsError(f"{out} holds pairs made with other settings ({', '.join(changed)}); "
+                         "use another --out or the same options")
+
+
 def pairs_model(pairs_dir: Path, model_dir: Path | None = None) -> tuple[Path, str]:
     """(model folder, fingerprint) of the model the pairs were made with: the manifest's folder,
     or `model_dir` if it moved; refused if its weights or config changed since."""
@@ -280,12 +291,7 @@ def generate_pairs(
     settings = {"format": _FORMAT, "model_fingerprint": fingerprint, "data": Path(data).name,
                 "seed": seed, "max_passage_tokens": max_passage_tokens, "groups": plan}
     manifest_path = out / MANIFEST_FILE
-    if manifest_path.is_file():
-        existing = read_manifest(out)
-        changed = [k for k, v in settings.items() if existing.get(k) != v]
-        if changed:
-            raise PairsError(f"{out} holds pairs made with other settings ({', '.join(changed)}); "
-                             "use another --out or the same options")
+    check_resumable(out, settings)
     maker = PairMaker(model_dir)
     manifest = {**settings, "model_dir": str(Path(model_dir).resolve()), "repair_config": maker.config.to_dict(),
                 "head_tokens": len(maker.layout.head_ids)}

@@ -36,7 +36,7 @@ from cache_repair.pairs import (
     PairMaker,
     PairsError,
     chunk_name,
-    read_manifest,
+    check_resumable,
     save_shard,
     shard_name,
 )
@@ -121,12 +121,7 @@ def generate_serving_pairs(
     settings = {"format": FORMAT, "layout": LAYOUT, "model_fingerprint": fingerprint, "data": Path(data).name,
                 "seed": seed, "shape": asdict(shape), **plan.to_dict()}
     manifest_path = out / MANIFEST_FILE
-    if manifest_path.is_file():
-        existing = read_manifest(out)
-        changed = [k for k, v in settings.items() if existing.get(k) != v]
-        if changed:
-            raise PairsError(f"{out} holds pairs made with other settings ({', '.join(changed)}); "
-                             "use another --out or the same options")
+    check_resumable(out, settings)
 
     maker = maker or PairMaker(model_dir)
     pairs = ServingPairs(maker, rows, plan)
