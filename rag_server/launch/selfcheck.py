@@ -114,6 +114,8 @@ class SelfCheck:
             checks += [Check(name, SKIPPED, "not run: re-rotation failed")
                        for name in ("reuse_at_offset_0", "legolink_covering_chunks")]
         else:
+            # Another KV dtype gets the loosest tolerance known; one coarser than bf16 (fp8) may
+            # fail the checks and be served as --on-selfcheck-failure says.
             tolerance = TOLERANCES.get(dtype, TOLERANCES["bfloat16"])
             # A clean tree: the checks count tokens that they, not an earlier request, cached.
             # At start-up nothing is, so a flush the runtime refuses only goes in the log.
