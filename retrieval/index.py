@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
 import json
 import logging
 from collections.abc import Iterable, Sequence
@@ -27,6 +26,7 @@ import numpy as np
 from retrieval.directory_swap import DirectorySwapError, directory_lock, replace_directory
 from retrieval.model_info import EmbeddingModelInfo
 from retrieval.passage import Passage
+from sglang_patches.file_digest import file_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class PassageIndex:
         with (directory / PASSAGES_FILE).open("w", encoding="utf-8") as stream:
             for passage in self._passages:
                 stream.write(json.dumps(passage.to_json(), ensure_ascii=False) + "\n")
-        manifest = self._manifest({name: _sha256(directory / name) for name in (INDEX_FILE, PASSAGES_FILE)})
+        manifest = self._manifest({name: file_sha256(directory / name) for name in (INDEX_FILE, PASSAGES_FILE)})
         (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
 
     def _manifest(self, checksums: dict[str, str]) -> dict[str, Any]:
@@ -167,7 +167,7 @@ class PassageIndex:
             path = directory / name
             if not path.is_file():
                 raise RetrievalIndexError(f"index {directory} is incomplete: {name} is missing")
-            if _sha256(path) != manifest["sha256"][name]:
+            if file_sha256(path) != manifest["sha256"][name]:
                 raise RetrievalIndexError(
                     f"{path} is corrupt or was changed after the index was saved: its SHA-256 differs "
                     f"from the one in {MANIFEST_FILE}; rebuild the index")
@@ -212,9 +212,3 @@ def index_lock(directory: str | Path) -> AbstractContextManager[None]:
     return directory_lock(directory)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

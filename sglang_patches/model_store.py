@@ -10,7 +10,6 @@ renames it, so an interrupted conversion never leaves a half-written model behin
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
@@ -21,6 +20,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from sglang_patches.file_digest import file_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class ModelPreset:
             for part in parts:
                 with part.open("rb") as f:
                     shutil.copyfileobj(f, out, 1 << 24)
-        digest = _sha256(tmp)
+        digest = file_sha256(tmp)
         if self.sha256 is not None and digest != self.sha256:
             tmp.unlink()
             raise ModelStoreError(
@@ -125,14 +126,6 @@ def models_dir() -> Path:
     return picrag_home() / "models"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def resolve_model(spec: str | None) -> Path:
     """A preset name (converted on first use) or a path to an HF model folder."""
     if spec is None or spec in PRESETS:
@@ -166,7 +159,7 @@ def ensure_model(preset_name: str = DEFAULT_PRESET) -> Path:
     _convert_gguf(gguf, tmp)
     (tmp / _MARKER).write_text(
         json.dumps(
-            {"preset": preset.name, "source": str(gguf), "source_sha256": _sha256(gguf)}, indent=2
+            {"preset": preset.name, "source": str(gguf), "source_sha256": file_sha256(gguf)}, indent=2
         )
     )
     shutil.rmtree(target, ignore_errors=True)
