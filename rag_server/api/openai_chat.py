@@ -153,6 +153,20 @@ async def chat_completions(request: Request) -> Response:
     return await rag_chat_completion(state.rag, payload, state.model_name)
 
 
+@router.post("/v1/completions", include_in_schema=False)
+async def completions(request: Request) -> Response:
+    """SGLang's completions endpoint, after the client-field checks `/generate` has (a token
+    prompt is checked like `input_ids`)."""
+    body, payload = await json_object(request)
+    if payload is None:
+        return await forward(request, body)
+    prompt = payload.get("prompt")
+    token_prompt = prompt if isinstance(prompt, list) and all(not isinstance(p, str) for p in prompt) else None
+    refused = refused_field({"extra_key": payload.get("extra_key"), "input_ids": token_prompt},
+                            len(frontend(request).rag.tokenizer))
+    return openai_error(400, refused.replace("input_ids", "prompt", 1)) if refused else await forward(request, body)
+
+
 async def rag_chat_completion(service: RagService, payload: dict[str, Any], model_name: str) -> Response:
     try:
         chat = RagChatRequest.model_validate(payload)

@@ -17,7 +17,7 @@ from rag_server.linking.pipeline import is_stream
 
 logger = logging.getLogger(__name__)
 
-# SGLang routes the frontend forwards as they are (/generate, /flush_cache and
+# SGLang routes the frontend forwards as they are (/generate, /flush_cache, /v1/completions and
 # /v1/chat/completions are forwarded by their own handlers, which add picrag's part).
 PASSTHROUGH_ROUTES: dict[str, list[str]] = {
     "/get_model_info": ["GET"],
@@ -28,7 +28,6 @@ PASSTHROUGH_ROUTES: dict[str, list[str]] = {
     "/metrics": ["GET"],
     "/v1/loads": ["GET"],
     "/v1/models": ["GET"],
-    "/v1/completions": ["POST"],
 }
 HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "content-encoding"})
 # The API key is the frontend's: the runtime (loopback, no key) never sees it.
