@@ -134,8 +134,7 @@ class DiskChunkStore:
         if max_bytes is None:
             max_bytes = int(DEFAULT_FREE_SPACE_FRACTION * (shutil.disk_usage(self.directory).free + self._bytes * processes))
         self.max_bytes = max_bytes // processes
-        with self._lock:
-            evicted = self._evict_over_budget()
+        evicted = self._evict_over_budget()
         if evicted:
             logger.info("chunk store %s: evicted %d files to fit %d bytes", self.directory, evicted, self.max_bytes)
         self._writer = ChunkStoreWriter(self)
@@ -148,7 +147,8 @@ class DiskChunkStore:
         return self.directory / f"{key}{_SUFFIX}"
 
     def _remove_stale_temporaries(self) -> None:
-        for path in self.directory.glob(f"*{_TEMPORARY}*"):  # this and earlier naming
+        # Every temporary a writer makes holds _TEMPORARY followed by its pid, wherever in the name.
+        for path in self.directory.glob(f"*{_TEMPORARY}*"):
             pid = path.name.rpartition(_TEMPORARY)[2]
             if not pid.isdigit() or not _process_alive(int(pid)):
                 path.unlink(missing_ok=True)
@@ -166,22 +166,23 @@ class DiskChunkStore:
             self._sizes[name.removesuffix(_SUFFIX)] = size
             self._bytes += size
 
-    def _evict_over_budget(self) -> int:
-        """Remove least recently used files until the store fits; the caller holds _lock."""
-        evicted = 0
-        while self._bytes > self.max_bytes and self._sizes:
-            key, size = self._sizes.popitem(last=False)
-            self._bytes -= size
-            self.path_of(key).unlink(missing_ok=True)
-            evicted += 1
-        return evicted
-
-    def _mark_used(self, key: str, size: int) -> int:
-        """Record `key` as most recently used with `size` bytes; returns the files evicted."""
+    def _evict_over_budget(self, key: str | None = None, size: int = 0) -> int:
+        """Record `key` (if given) as most recently used with `size` bytes, then remove least
+        recently used files until the store fits; returns the files removed. The files are
+        picked under _lock and deleted after it, so a load on the scheduler's thread never
+        waits on the writer's deletes."""
         with self._lock:
-            self._bytes += size - self._sizes.pop(key, 0)
-            self._sizes[key] = size
-            return self._evict_over_budget()
+            if key is not None:
+                self._bytes += size - self._sizes.pop(key, 0)
+                self._sizes[key] = size
+            victims = []
+            while self._bytes > self.max_bytes and self._sizes:
+                victim, victim_size = self._sizes.popitem(last=False)
+                self._bytes -= victim_size
+                victims.append(self.path_of(victim))
+        for path in victims:
+            path.unlink(missing_ok=True)
+        return len(victims)
 
     def save(self, token_ids, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Write the chunk `token_ids` (keys/values [layers, tokens, kv_heads, head_dim], on the
@@ -205,7 +206,7 @@ class DiskChunkStore:
         finally:
             temporary.unlink(missing_ok=True)
         _fsync_directory(self.directory)
-        return self._mark_used(key, len(data))
+        return self._evict_over_budget(key, len(data))
 
     def save_in_background(self, token_ids, keys: torch.Tensor, values: torch.Tensor, counters) -> bool:
         """Queue a save and return at once; False, counted as ``disk_saves_dropped``, when the
@@ -246,7 +247,7 @@ class DiskChunkStore:
             _check_layout(path, keys, values, KVLayout.of_pool(pool), len(token_ids))
         if metadata.get("sha256") != _tensor_digest(keys, values):
             raise CorruptChunkFile(f"{path}: checksum mismatch")
-        self._mark_used(key, len(data))
+        self._evict_over_budget(key, len(data))
         try:
             os.utime(path)
         except OSError:

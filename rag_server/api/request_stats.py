@@ -15,6 +15,8 @@ from typing import Optional
 
 from fastapi import Request
 
+from sglang_patches.policies import PolicyError, parse_policy
+
 # TTFT samples kept per policy for its percentiles, and requests kept for the recent-TTFT chart.
 TTFT_WINDOW = 500
 RECENT_REQUESTS = 60
@@ -54,13 +56,22 @@ class Answered:
     computed_tokens: int
 
 
+def _family(policy: str) -> str:
+    """Requests are counted per policy family: a client picks parameters freely, and a key per
+    name ('legolink:1', 'legolink:2', ...) would grow without bound."""
+    try:
+        return parse_policy(policy).family.name
+    except PolicyError:
+        return policy  # `auto`
+
+
 class RequestStats:
     def __init__(self) -> None:
         self._policies: dict[str, PolicyStats] = {}
         self._recent: deque[Answered] = deque(maxlen=RECENT_REQUESTS)
 
     def record(self, answered: Answered) -> None:
-        stats = self._policies.setdefault(answered.policy, PolicyStats())
+        stats = self._policies.setdefault(_family(answered.policy), PolicyStats())
         stats.requests += 1
         stats.reused_tokens += answered.reused_tokens
         stats.computed_tokens += answered.computed_tokens
