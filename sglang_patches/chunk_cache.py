@@ -17,6 +17,13 @@ It is SGLang's own `RadixCache`, with two namespaces added through `extra_key`:
   A linked prompt is keyed by its tokens and its chunk spans (`marked_prompt`; a reordered one
   by a namespace of its spans and k), so prompts share cached KV only where it is the same KV.
 
+Leases: a linked request's stored chunks are locked from its arrival at the scheduler
+(`lease_chunks`, called by sglang_patches.link_admission) until it is released or aborted, so
+no other request's allocation can evict them between arrival and graft, or while it runs; a
+link that asked to be refused when a chunk is missing is answered before any compute. Leases
+never pin more than LEASE_POOL_SHARE of the pool, and one older than LEASE_TIMEOUT_S lapses, so
+pinned chunks can never starve the pool.
+
 A client never names these namespaces: its own `extra_key` is moved out of them, and a picrag
 hint the engine does not admit is ignored (sglang_patches.request_guard).
 
@@ -35,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import time
 from array import array
 from dataclasses import dataclass, field
 from typing import Optional
@@ -48,7 +56,7 @@ from sglang_patches.cacheblend import PLAN_ATTR, blend_plan
 from sglang_patches.disk_chunk_store import CorruptChunkFile, DiskChunkStore
 from sglang_patches.repair.kv_repair import RepairSpan, repair_spans
 from sglang_patches.legolink_layout import legolink_layout
-from sglang_patches.link_hints import REORDERED_LAYOUT, LinkHintError, LinkRequest
+from sglang_patches.link_hints import MISS_REFUSAL, REORDERED_LAYOUT, LinkHintError, LinkRequest
 from sglang_patches.request_guard import NAMESPACE_PREFIX, admitted_link, client_namespace, shape_of_req
 from sglang_patches.rope_shift import KeyShifter
 
@@ -64,6 +72,8 @@ POSITIONS_ATTR = "picrag_positions"
 MARKED_PROMPT_ATTR = "picrag_marked_prompt"
 CHUNK_TOKEN = 1 << 40
 CHUNK_START = 1 << 41
+LEASE_POOL_SHARE = 0.5  # leases never lock more of the KV pool than this
+LEASE_TIMEOUT_S = 600.0  # a lease whose request neither ran nor was aborted by then lapses
 
 
 def namespace_of(link: LinkRequest) -> str:
@@ -147,6 +157,13 @@ class _Segment:
 
 
 @dataclass
+class _Lease:
+    locks: list
+    tokens: int
+    deadline: float
+
+
+@dataclass
 class CacheCounters:
     """Process-wide totals; exported to Prometheus by sglang_patches.metrics."""
 
@@ -176,6 +193,11 @@ class ChunkRadixCache(RadixCache):
         self.disk_store = disk_store
         self.repairer = repairer  # repair.network.KVRepairer for the repairing families, or None
         self.sink_token = sink_token  # the model's BOS: what families with sink tokens compile before chunks
+
+    def reset(self):
+        # Flushing the tree drops every node a lease locks; only an idle server flushes.
+        self._leases: dict[str, _Lease] = {}
+        super().reset()
 
     # ---- request routing -------------------------------------------------------------
 
@@ -271,6 +293,62 @@ class ChunkRadixCache(RadixCache):
     def _insert_cache(self, req, token_ids, **kwargs):
         # SGLang's one place that keys what a request computed (its release and checkpoints).
         return super()._insert_cache(req, self._tree_tokens(req, token_ids), **kwargs)
+
+    # ---- leases ----------------------------------------------------------------------
+
+    def _needed_chunks(self, req, link: LinkRequest) -> list[list[int]]:
+        """The stored chunks a linked request reads (as stored: behind its sinks)."""
+        if link.family.blends_chunks:
+            prompt = req.origin_input_ids
+            return [list(prompt[s:e]) for s, e in link.chunks]
+        return [seg.chunk_tokens for seg in self._segments(req, link) if seg.is_chunk and not seg.recomputed_whole]
+
+    def lease_chunks(self, req) -> Optional[str]:
+        """Lock the stored chunks `req` links until it is released (see the module docstring).
+        Returns why the request must be refused now (MISS_REFUSAL: a chunk is not stored and the
+        link asked to be refused then), or None to queue it."""
+        link = self._link_of(req)
+        if link is None or link.compile or not (link.family.reuses_chunks and link.chunks) or self.disable:
+            return None
+        self._expire_leases()
+        needed = self._needed_chunks(req, link)
+        locks, missing = [], 0
+        for tokens in needed:
+            found = self.lookup_chunk(tokens)
+            if found is None:
+                missing += 1
+            else:
+                locks.append(found[2])
+        tokens = sum(len(t) for t in needed)
+        leased = sum(lease.tokens for lease in self._leases.values())
+        if (missing and link.refuse_on_miss) or leased + tokens > LEASE_POOL_SHARE * self.kv_pool.size:
+            for lock in locks:
+                self.unlock(lock)
+            if missing and link.refuse_on_miss:
+                self.counters.add("link_refusals")
+                return f"{MISS_REFUSAL}: {missing} of {len(needed)} chunk(s) missing"
+            self.counters.add("leases_over_share")
+            return None
+        self._release_lease(req.rid)
+        self._leases[req.rid] = _Lease(locks, tokens, time.monotonic() + LEASE_TIMEOUT_S)
+        return None
+
+    def _release_lease(self, rid: str) -> None:
+        lease = self._leases.pop(rid, None)
+        for lock in lease.locks if lease is not None else ():
+            self.unlock(lock)
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        for rid in [rid for rid, lease in self._leases.items() if lease.deadline < now]:
+            logger.warning("request %s: chunk lease lapsed after %.0f s", rid, LEASE_TIMEOUT_S)
+            self.counters.add("leases_lapsed")
+            self._release_lease(rid)
+
+    def release_aborted_request(self, handle) -> None:
+        # SGLang's release of a request aborted while it waited (it never reaches on_release).
+        super().release_aborted_request(handle)
+        self._release_lease(handle.rid)
 
     # ---- grafting --------------------------------------------------------------------
 
@@ -472,6 +550,7 @@ class ChunkRadixCache(RadixCache):
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
+        self._release_lease(req.rid)
         stats: Optional[LinkStats] = getattr(req, STATS_ATTR, None)
         if stats is None:
             return

@@ -13,7 +13,10 @@ and versioned actions, delivered to the tree cache as `req.kv_hints`). Two actio
   ``k`` or ``ratio``, a prompt reordered by `runtime_request` carries ``"layout": "legolink"``,
   and families that store chunks behind sinks carry ``sink_token`` (the model's BOS). Tokens
   outside chunks (system prompt, question) are ordinary tokens. Any other field, or a field of
-  the wrong type, is refused.
+  the wrong type, is refused. ``"on_miss": "refuse"`` asks the engine to answer at once, with
+  no compute, when a chunk is not in the store as the request arrives (`MISS_REFUSAL`): the
+  frontend then compiles it again and relinks, and no prefill is thrown away. Without it a
+  missing chunk is computed as ordinary tokens.
 
 ``picrag.compile`` (version "1", empty payload): the whole prompt is one chunk to compute alone
 at positions 0..n-1 and store in the chunk cache (send it with ``max_new_tokens`` 0 or 1).
@@ -38,7 +41,13 @@ PROTOCOL_VERSION = "1"
 ORIGINAL_LAYOUT = "original"
 # The value of "layout" for a prompt sent in LegoLink's order (families with reordered_layout).
 REORDERED_LAYOUT = "legolink"
-LINK_FIELDS = ("policy", "chunks", K.name, RATIO.name, "layout", "sink_token")
+LINK_FIELDS = ("policy", "chunks", K.name, RATIO.name, "layout", "sink_token", "on_miss")
+ON_MISS_COMPUTE = "compute"
+ON_MISS_REFUSE = "refuse"
+# The start of the engine's answer to an `on_miss: refuse` link whose chunks are not all stored
+# (SGLang's abort finish reason, status MISS_REFUSAL_STATUS); the frontend relinks on it.
+MISS_REFUSAL = "picrag: chunks not in the store"
+MISS_REFUSAL_STATUS = 409
 
 # Policy errors and link-hint errors are one kind: a request the engine cannot serve as asked.
 LinkHintError = PolicyError
@@ -53,6 +62,7 @@ class LinkRequest:
     layout: str = ORIGINAL_LAYOUT  # REORDERED_LAYOUT: input_ids arrive reordered (sglang_patches.legolink_layout)
     sink_token: Optional[int] = None  # families with sink_tokens: the token compiled before each chunk
     ratio: float = 0.0  # families with param "ratio": fraction of chunk tokens recomputed after the check layer
+    refuse_on_miss: bool = False  # answer at once, computing nothing, if a chunk is not stored on arrival
 
     @classmethod
     def of(cls, policy: Union[str, Policy], chunks, sink_token: Optional[int] = None) -> LinkRequest:
@@ -157,11 +167,15 @@ def _link_of_payload(payload: dict) -> LinkRequest:
     if not isinstance(layout, str):
         raise LinkHintError(f"layout must be {REORDERED_LAYOUT!r} or absent, got {layout!r}")
     sink = payload.get("sink_token")
+    on_miss = payload.get("on_miss", ON_MISS_COMPUTE)
+    if on_miss not in (ON_MISS_COMPUTE, ON_MISS_REFUSE):
+        raise LinkHintError(f"on_miss must be {ON_MISS_COMPUTE!r} or {ON_MISS_REFUSE!r}, got {on_miss!r}")
     return LinkRequest(
         policy=family.name, chunks=_spans(payload.get("chunks", [])),
         k=param if family.param == K.name else 0,
         ratio=float(param) if family.param == RATIO.name else 0.0,
         layout=layout, sink_token=None if sink is None else _whole(sink, "sink_token"),
+        refuse_on_miss=on_miss == ON_MISS_REFUSE,
     )
 
 
@@ -218,6 +232,8 @@ def hints_of(link: LinkRequest) -> dict:
         payload["layout"] = link.layout
     if link.sink_token is not None:
         payload["sink_token"] = link.sink_token
+    if link.refuse_on_miss:
+        payload["on_miss"] = ON_MISS_REFUSE
     return _envelope(LINK_ACTION, payload)
 
 

@@ -12,6 +12,8 @@ SGLang calls `register` early in its main, scheduler and detokenizer processes. 
 * hooks that run CacheBlend's selective recompute in the forward (sglang_patches.cacheblend);
 * a hook that keeps those per-forward annotations on the eager runner's copy of the batch
   (sglang_patches.batch_annotations);
+* a hook on the scheduler's intake that leases a linked request's stored chunks and refuses,
+  before any compute, a link whose chunks are missing when it asked so (sglang_patches.link_admission);
 * a hook on the tokenizer manager's per-request validation that refuses token ids outside the
   vocabulary and picrag hints the engine does not admit (sglang_patches.request_guard);
 * a hook that reports the chunk cache's start-up re-rotation check in `/server_info`
@@ -103,7 +105,8 @@ def register() -> None:
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
     from sglang_patches import (
-        attention, batch_annotations, cacheblend, flashinfer_attention, meta_info, positions, request_guard, selfcheck,
+        attention, batch_annotations, cacheblend, flashinfer_attention, link_admission, meta_info, positions,
+        request_guard, selfcheck,
     )
 
     if get_radix_cache_factory(RADIX_CACHE_BACKEND) is None:
@@ -115,4 +118,5 @@ def register() -> None:
     cacheblend.register()
     batch_annotations.register()
     request_guard.register()
+    link_admission.register()
     selfcheck.register()

@@ -79,17 +79,32 @@ def test_bench_quality_smoke(picrag_server, shared_qa: Path, tmp_path: Path):
 def test_bench_load_smoke(picrag_server, shared_qa: Path, tmp_path: Path):
     out = tmp_path / "load"
     run_load(LoadOptions(
-        dataset=shared_qa / "hotpotqa.dev.jsonl", policies="prefix,naive,nosuchpolicy", concurrency=(1, 2),
-        requests=3, out=out, pool=2, max_passages=2, max_tokens=4, url=picrag_server.url,
+        dataset=shared_qa / "hotpotqa.dev.jsonl", policies="prefix,naive,vanilla,nosuchpolicy", concurrency=(1, 2),
+        requests=4, out=out, max_passages=2, max_tokens=4, url=picrag_server.url,
     ), progress=False)
     report = json.loads((out / "load.json").read_text())
+    assert report["settings"]["pool"] == 1  # a quarter of the requests: each passage recurs 4 times
     cells = {(c["policy"], c["concurrency"]): c for c in report["cells"]}
-    assert set(cells) == {("prefix", 1), ("prefix", 2), ("naive", 1), ("naive", 2)}
+    assert set(cells) == {(p, c) for p in ("prefix", "naive", "vanilla") for c in (1, 2)}
     for cell in cells.values():
-        assert cell["requests"] == 3 and cell["requests_per_s"] > 0 and cell["output_tokens_per_s"] > 0
+        assert cell["requests"] == 4 and cell["requests_per_s"] > 0 and cell["output_tokens_per_s"] > 0
         assert cell["ttft_p50_s"] is not None and cell["ttft_p99_s"] >= cell["ttft_p50_s"]
+    # The pool holds the working set: no link was refused or sent again.
+    assert cells[("naive", 2)]["relinks"] == 0 and cells[("naive", 2)]["link_refusals"] == 0
+    # Stock SGLang: no picrag counters, no relinks.
+    vanilla = cells[("vanilla", 1)]
+    assert vanilla["store_hit_rate"] is None and vanilla["relinks"] is None
     # After the first request at least the head is stored, so later compiles hit the store.
     assert cells[("naive", 1)]["store_hit_rate"] > 0
     assert cells[("prefix", 1)]["link_hit_rate"] is None
     assert [u["policy"] for u in report["unavailable"]] == ["nosuchpolicy"]
-    assert "| naive | 2 | 3 |" in (out / "load.md").read_text()
+    assert "| naive | 2 | 4 |" in (out / "load.md").read_text()
+
+
+def test_the_vanilla_baseline_loads_no_sglang_plugin(tmp_path: Path):
+    from importlib.metadata import entry_points
+
+    from rag_server.launch.runtime import RuntimeConfig
+
+    env = RuntimeConfig(model_path=tmp_path, plugins=False).env()
+    assert env["SGLANG_PLUGINS"] not in {ep.name for ep in entry_points(group="sglang.srt.plugins")}

@@ -6,8 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sglang_patches.link_hints import link_hints
-from tests.chunk_requests import counters, generate, logprobs_of, passages_of, picrag_meta
+from sglang_patches.link_hints import MISS_REFUSAL, MISS_REFUSAL_STATUS, link_hints
+from tests.chunk_requests import counters, generate, logprobs_of, passages_of, picrag_meta, question_tokens
 
 pytestmark = pytest.mark.server
 
@@ -119,9 +119,24 @@ def test_chunks_lost_after_compile_are_compiled_and_linked_again(picrag_server, 
             return picrag_server.log.read_text().count("compiling again")
 
         httpx.post(f"{runtime}/flush_cache", timeout=60).raise_for_status()
-        before = relinks()
+        before, engine_before = relinks(), counters(client)
         again = generate(client, prompt.input_ids, "naive", prompt.chunks, logprobs=True)
+        engine_after = counters(client)
         assert relinks() == before + 1
+        # The first link was refused as it arrived, before any compute: the engine served one
+        # linked request, which computed only what follows the chunks.
+        assert engine_after["link_refusals"] - engine_before["link_refusals"] == 1
+        assert engine_after["requests"] - engine_before["requests"] == 1
+        assert engine_after["computed_tokens"] - engine_before["computed_tokens"] == question_tokens(prompt)
+        assert "picrag_frontend_relinks_total" in client.get("/picrag/metrics").text
+
+        # Straight at the runtime: a link that asks to be refused on a miss gets SGLang's abort.
+        httpx.post(f"{runtime}/flush_cache", timeout=60).raise_for_status()
+        hints = link_hints("naive", list(prompt.chunks))
+        hints["actions"][0]["payload"]["on_miss"] = "refuse"
+        refused = httpx.post(f"{runtime}/generate", timeout=60, json={
+            "input_ids": prompt.input_ids, "sampling_params": {"max_new_tokens": 4}, "kv_hints": hints})
+        assert refused.status_code == MISS_REFUSAL_STATUS and MISS_REFUSAL in refused.text, refused.text
 
         # A relink pauses compile skipping; a flush through the frontend resumes it.
         client.post("/flush_cache").raise_for_status()

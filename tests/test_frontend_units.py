@@ -271,8 +271,9 @@ def _scripted_pipeline(link_answers):
 
     def runtime(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
-        action = body["kv_hints"]["actions"][0]["action_type"]
-        log.append(action)
+        action = body["kv_hints"]["actions"][0]
+        log.append(action["action_type"] + (":refuse" if action["payload"].get("on_miss") == "refuse" else ""))
+        action = action["action_type"]
         if action == "picrag.compile":
             return httpx.Response(200, json=[{"meta_info": {}} for _ in body["input_ids"]])
         status, content_type, content = next(answers)
@@ -298,7 +299,7 @@ def test_a_streamed_link_with_chunk_misses_is_dropped_compiled_again_and_relinke
         return b"".join([chunk async for chunk in linked.body()])
 
     assert asyncio.run(relayed()) == hit  # the client sees the relinked answer, byte for byte
-    assert log == ["picrag.compile", "picrag.link", "picrag.compile", "picrag.link"]
+    assert log == ["picrag.compile", "picrag.link:refuse", "picrag.compile", "picrag.link:refuse"]
     # The same prompt again: the compiler skips no longer (a miss means the pool is evicting).
     pipeline, log = _scripted_pipeline([(200, "text/event-stream", hit)] * 2)
 
@@ -308,7 +309,7 @@ def test_a_streamed_link_with_chunk_misses_is_dropped_compiled_again_and_relinke
         return [delta.text async for delta in linked.deltas()]
 
     assert asyncio.run(deltas()) == ["X", "Y"]
-    assert log == ["picrag.compile", "picrag.link", "picrag.link"]
+    assert log == ["picrag.compile", "picrag.link:refuse", "picrag.link:refuse"]
 
 
 def test_a_whole_link_answer_is_relinked_at_most_max_relinks_times_then_answered_as_it_is():
@@ -319,9 +320,55 @@ def test_a_whole_link_answer_is_relinked_at_most_max_relinks_times_then_answered
     pipeline, log = _scripted_pipeline([(200, "application/json", missed)] * (MAX_RELINKS + 1))
     linked = asyncio.run(pipeline.generate(PROMPT, LinkRequest.of("naive", [(2, 4)]), {}))
     assert linked.rest is None and linked.head == missed and linked.misses == 1
-    assert log.count("picrag.link") == MAX_RELINKS + 1 and log.count("picrag.compile") == MAX_RELINKS + 1
+    # Every attempt but the last asks the engine to refuse it on a miss; the last is computed.
+    assert log.count("picrag.link:refuse") == MAX_RELINKS and log[-1] == "picrag.link"
+    assert log.count("picrag.compile") == MAX_RELINKS + 1 and pipeline.relinks == MAX_RELINKS
     # A refusal is answered as it is, and never relinked.
     pipeline, log = _scripted_pipeline([(400, "application/json", b'{"error": "too long"}')])
     linked = asyncio.run(pipeline.generate(PROMPT, LinkRequest.of("naive", [(2, 4)]), {}))
     assert (linked.response.status_code, linked.head) == (400, b'{"error": "too long"}')
-    assert log == ["picrag.compile", "picrag.link"]
+    assert log == ["picrag.compile", "picrag.link:refuse"]
+
+
+def test_a_link_the_engine_refused_unrun_is_compiled_again_and_relinked():
+    """The engine's refusal of an `on_miss: refuse` link (a chunk missing on arrival), streamed
+    (an abort finish reason) or whole (its status), is never shown: compiled again, relinked."""
+    from sglang_patches.link_hints import MISS_REFUSAL, MISS_REFUSAL_STATUS, LinkRequest
+
+    abort = {"type": "abort", "message": f"{MISS_REFUSAL}: 1 of 2 chunk(s) missing", "status_code": MISS_REFUSAL_STATUS}
+    streamed = f"data: {json.dumps({'text': '', 'meta_info': {'finish_reason': abort}})}\n\ndata: [DONE]\n\n".encode()
+    whole = json.dumps({"detail": abort["message"]}).encode()
+    hit = _event("X", 0) + b"data: [DONE]\n\n"
+    pipeline, log = _scripted_pipeline([(200, "text/event-stream", streamed),
+                                        (MISS_REFUSAL_STATUS, "application/json", whole),
+                                        (200, "text/event-stream", hit)])
+    link = LinkRequest.of("naive", [(2, 4), (4, 7)])
+
+    async def relayed() -> bytes:
+        linked = await pipeline.generate(PROMPT, link, {"stream": True})
+        return b"".join([chunk async for chunk in linked.body()])
+
+    assert asyncio.run(relayed()) == hit
+    assert log == ["picrag.compile", "picrag.link:refuse"] + ["picrag.compile", "picrag.link:refuse"] * 2
+    assert pipeline.relinks == 2
+    # Another abort (not the engine's refusal) is the answer.
+    other = json.dumps({"detail": "prompt too long"}).encode()
+    pipeline, log = _scripted_pipeline([(MISS_REFUSAL_STATUS, "application/json", other)])
+    linked = asyncio.run(pipeline.generate(PROMPT, link, {}))
+    assert linked.response.status_code == MISS_REFUSAL_STATUS and not linked.refused and pipeline.relinks == 0
+
+
+def test_on_miss_travels_in_the_link_hints_and_is_parsed_strictly():
+    import dataclasses
+
+    from sglang_patches.link_hints import LinkHintError, LinkRequest, hints_of
+
+    link = LinkRequest.of("legolink:4", [(2, 4), (4, 7)])
+    assert parse_link_request(hints_of(link)) == link and not link.refuse_on_miss
+    refusing = dataclasses.replace(link, refuse_on_miss=True)
+    assert parse_link_request(hints_of(refusing)) == refusing
+    hints = hints_of(link)
+    for bad in ("drop", True, None):
+        hints["actions"][0]["payload"]["on_miss"] = bad
+        with pytest.raises(LinkHintError, match="on_miss"):
+            parse_link_request(hints)

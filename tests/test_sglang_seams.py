@@ -8,7 +8,7 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 import sglang
 
-from sglang_patches import meta_info, plugin, request_guard
+from sglang_patches import link_admission, meta_info, plugin, request_guard
 
 
 def resolve(dotted: str):
@@ -25,6 +25,19 @@ def test_hooked_method_signature():
     assert list(inspect.signature(target).parameters) == ["self", "req"]
     # picrag's request checks raise SGLang's 400 from here (a ValueError), per prompt of a batch.
     assert list(inspect.signature(resolve(request_guard.HOOK_TARGET)).parameters) == ["self", "obj", "input_ids"]
+    # Every request SGLang queues passes here; a retracted one says so.
+    assert list(inspect.signature(resolve(link_admission.HOOK_TARGET)).parameters) == ["self", "req", "is_retracted"]
+
+
+def test_the_intake_abort_picrag_refuses_a_link_with():
+    """link_admission answers a refused link the way SGLang's scheduler rejects a request at
+    intake: prepare_abort, then the output streamer (no forward)."""
+    from sglang.srt.disaggregation.utils import prepare_abort
+    from sglang.srt.managers.scheduler import Scheduler
+
+    assert list(inspect.signature(prepare_abort).parameters) == ["req", "error_message", "status_code"]
+    source = inspect.getsource(Scheduler._reject_sampling_mask_request)
+    assert "prepare_abort(" in source and "self.output_streamer.stream_output([req], req.return_logprob)" in source
 
 
 def test_tree_cache_methods_the_chunk_cache_overrides_or_calls():
@@ -33,6 +46,8 @@ def test_tree_cache_methods_the_chunk_cache_overrides_or_calls():
     assert list(inspect.signature(RadixCache.match_prefix).parameters) == ["self", "params"]
     assert list(inspect.signature(RadixCache._match_prefix_helper).parameters) == ["self", "node", "key"]
     assert list(inspect.signature(RadixCache.on_release).parameters) == ["self", "req", "checkpointed"]
+    # Where SGLang releases a request aborted while it waited (leases are dropped there).
+    assert list(inspect.signature(RadixCache.release_aborted_request).parameters) == ["self", "handle"]
     # The one place SGLang keys what a request computed; the chunk cache marks linked prompts' keys there.
     assert list(inspect.signature(RadixCache._insert_cache).parameters) == [
         "self", "req", "token_ids", "key_limit", "split_prompt"]

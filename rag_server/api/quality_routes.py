@@ -1,6 +1,6 @@
 """`GET /picrag/quality` (JSON) and `GET /picrag/metrics` (Prometheus): the first-token quality that
 shadow sampling measures on live traffic (rag_server/service/shadow.py), its cost, and how `auto`
-decides (rag_server/service/auto_policy.py)."""
+decides (rag_server/service/auto_policy.py); the metrics also count the frontend's relinks."""
 
 from __future__ import annotations
 
@@ -29,6 +29,12 @@ async def quality(request: Request) -> dict[str, Any]:
     }
 
 
+RELINKS_METRIC = "picrag_frontend_relinks_total"
+
+
 @router.get("/picrag/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(frontend(request).rag.quality.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+    state = frontend(request)
+    relinks = (f"# HELP {RELINKS_METRIC} links sent again because a chunk was missing from the store\n"
+               f"# TYPE {RELINKS_METRIC} counter\n{RELINKS_METRIC} {state.pipeline.relinks}\n")
+    return Response(state.rag.quality.metrics.exposition() + relinks.encode(), media_type=CONTENT_TYPE_LATEST)

@@ -208,14 +208,18 @@ def _first_position(meta: dict[str, Any], key: str) -> dict[int, float]:
     return {int(entry[1]): float(entry[0]) for entry in positions[0]}
 
 
-def measure(client: httpx.Client, prompt: CompiledPrompt, policy: str, max_tokens: int,
+def measure(client: httpx.Client, prompt: CompiledPrompt, policy: str | None, max_tokens: int,
             top_logprobs: int = 0, probe_ids: Sequence[int] = ()) -> Measured:
+    """`prompt` linked under `policy`, or sent as a plain prompt (None: stock SGLang's request)."""
     body: dict[str, Any] = {
         "input_ids": prompt.input_ids,
         "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens},
         "stream": True,
-        "kv_hints": link_hints(policy, list(prompt.chunks)),
     }
+    if policy is not None:
+        body["kv_hints"] = link_hints(policy, list(prompt.chunks))
+    else:
+        policy = "plain prompt"
     if top_logprobs or probe_ids:
         body.update(return_logprob=True, top_logprobs_num=top_logprobs, logprob_start_len=-1)
     if probe_ids:

@@ -1,16 +1,21 @@
 """`picrag bench load`: closed-loop load with passages that repeat across requests.
 
-Requests are drawn (seeded, with replacement) from the first `--pool` questions of a dev file,
-each with its passages in a fresh random order: the same passages come back in another order,
-as retrieval does for related questions, so the chunk store can reuse them while SGLang's
-prefix cache (`prefix`) only matches up to the first passage that moved. `--keep-order` keeps
-the dataset's order (then repeats are exact and `prefix` hits up to the question).
+Every one of the first `--pool` questions of a dev file is asked equally often (default pool:
+a quarter of the requests, so each passage recurs 4 times), in a seeded random order, each time
+with its passages in a fresh random order: the same passages come back in another order, as
+retrieval does for related questions, so the chunk store can reuse them while SGLang's prefix
+cache (`prefix`) only matches up to the first passage that moved. `--keep-order` keeps the
+dataset's order (then repeats are exact and `prefix` hits up to the question).
+
+The pseudo-policy `vanilla` is the comparison a user would make: stock SGLang (its own radix
+cache, its stock attention backend, no picrag plugin loaded) started by the bench on the same
+model and KV pool size, sent the same prompts as plain /generate requests.
 
 Each (policy, concurrency) cell starts from an empty cache (`/flush_cache`) and runs the same
 request list: `concurrency` clients, each sending its next request as soon as the previous one
 finished (closed loop). Throughput is requests (and generated tokens) over the cell's wall time.
-The store hit rate comes from the server's /metrics counters, so the server must not serve
-other traffic during the run.
+The store hit rate, the engine's link refusals and the frontend's relinks come from the
+servers' counters, so the server must not serve other traffic during the run.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,7 +56,12 @@ from rag_server.bench.common import (
     shuffled,
     unavailable_entries,
 )
+from rag_server.launch.runtime import CPU_ATTENTION_BACKEND, RuntimeConfig, SGLangRuntime, cuda_available
 from retrieval.prompt_layout import CompiledPrompt
+
+VANILLA = "vanilla"
+# Stock SGLang's attention backends, where picrag's own subclass them.
+STOCK_ATTENTION = {"cpu": "torch_native", "cuda": "flashinfer"}
 
 
 @dataclass(frozen=True)
@@ -59,7 +71,7 @@ class LoadOptions:
     concurrency: tuple[int, ...]
     requests: int
     out: Path
-    pool: int = 8
+    pool: int | None = None  # None: requests // 4
     max_passages: int | None = None
     max_tokens: int = 16
     keep_order: bool = False
@@ -88,14 +100,23 @@ class Cell:
     # Compiles (head + passages) that found their piece already stored: the reuse across
     # requests, from the server's picrag_compile_chunk_* counters; None without compiles.
     store_hit_rate: float | None = None
+    # Links the frontend sent again because a chunk was missing, and links the engine refused
+    # unrun for that reason (each refusal is one relink that computed nothing); None: vanilla.
+    relinks: int | None = None
+    link_refusals: int | None = None
+
+
+def pool_size(options: LoadOptions) -> int:
+    return options.pool or max(1, options.requests // 4)
 
 
 def build_requests(options: LoadOptions, layout) -> list[CompiledPrompt]:
-    rows = read_rows(options.dataset, options.pool, options.max_passages)
+    rows = read_rows(options.dataset, pool_size(options), options.max_passages)
     rng = random.Random(options.seed)
+    picks = [rows[i % len(rows)] for i in range(options.requests)]
+    rng.shuffle(picks)
     prompts = []
-    for _ in range(options.requests):
-        row = rng.choice(rows)
+    for row in picks:
         passages = row.passages if options.keep_order else shuffled(row.passages, rng)
         prompts.append(layout.build(row.question, passages))
     return prompts
@@ -111,6 +132,7 @@ def _flush(client: httpx.Client) -> None:
 
 
 def run_cell(url: str, prompts: list[CompiledPrompt], policy: str, concurrency: int, max_tokens: int) -> Cell:
+    """One cell; `policy` VANILLA sends plain prompts."""
     queue = list(enumerate(prompts))
     lock = Lock()
     done: list[Measured] = []
@@ -122,7 +144,7 @@ def run_cell(url: str, prompts: list[CompiledPrompt], policy: str, concurrency: 
                     if not queue:
                         return
                     _, prompt = queue.pop(0)
-                measured = measure(client, prompt, policy, max_tokens)
+                measured = measure(client, prompt, None if policy == VANILLA else policy, max_tokens)
                 with lock:
                     done.append(measured)
 
@@ -145,46 +167,91 @@ def run_cell(url: str, prompts: list[CompiledPrompt], policy: str, concurrency: 
 
 
 TABLE_COLUMNS = ("policy", "concurrency", "requests", "req/s", "output tok/s", "prompt tok/s", "TTFT p50 (s)",
-                 "TTFT p99 (s)", "reused token share", "store hit rate", "link hit rate")
+                 "TTFT p99 (s)", "reused token share", "store hit rate", "link hit rate", "relinks")
 
 
 def markdown_table(cells: list[Cell], unavailable: list[dict[str, str]]) -> str:
     rows = [(c.policy, str(c.concurrency), str(c.requests), fmt(c.requests_per_s, 3), fmt(c.output_tokens_per_s),
              fmt(c.prompt_tokens_per_s, 0), fmt(c.ttft_p50_s), fmt(c.ttft_p99_s), fmt(c.reused_token_fraction),
-             fmt(c.store_hit_rate), fmt(c.link_hit_rate)) for c in cells]
+             fmt(c.store_hit_rate), fmt(c.link_hit_rate), fmt(c.relinks, 0)) for c in cells]
     return render_table(TABLE_COLUMNS, rows, unavailable)
 
 
+def frontend_relinks(client: httpx.Client) -> float:
+    response = client.get("/picrag/metrics")
+    for line in response.text.splitlines() if response.status_code == 200 else ():
+        name, _, value = line.partition(" ")
+        if name == "picrag_frontend_relinks_total":
+            return float(value)
+    return 0.0
+
+
+@contextmanager
+def vanilla_server(model_dir: Path, log: Path) -> Iterator[str]:
+    """Stock SGLang on `model_dir`, with picrag serve's KV pool size and no picrag plugin."""
+    device = "cuda" if cuda_available() else "cpu"
+    config = RuntimeConfig(model_path=model_dir, device=device, attention_backend=STOCK_ATTENTION[device],
+                           radix_cache_backend=None, plugins=False)
+    runtime = SGLangRuntime(config, log_file=log)
+    runtime.start()
+    try:
+        yield runtime.url
+    finally:
+        runtime.stop()
+
+
+def run_cells(url: str, prompts: list[CompiledPrompt], policy: str, options: LoadOptions,
+              progress: bool) -> list[Cell]:
+    cells = []
+    with httpx.Client(base_url=url, timeout=60) as client:
+        for concurrency in options.concurrency:
+            _flush(client)
+            before, relinks_before = chunk_counters(client), frontend_relinks(client)
+            cell = run_cell(url, prompts, policy, concurrency, options.max_tokens)
+            after, relinks_after = chunk_counters(client), frontend_relinks(client)
+            delta = {k: after.get(k, 0) - before.get(k, 0)
+                     for k in ("compile_chunk_hits", "compile_chunk_misses", "link_refusals")}
+            total = delta["compile_chunk_hits"] + delta["compile_chunk_misses"]
+            cell.store_hit_rate = delta["compile_chunk_hits"] / total if total else None
+            if policy != VANILLA:
+                cell.relinks = int(relinks_after - relinks_before)
+                cell.link_refusals = int(delta["link_refusals"])
+            cells.append(cell)
+            if progress:
+                print(f"{policy} x{concurrency}: {cell.requests_per_s:.3f} req/s, "
+                      f"TTFT p50 {cell.ttft_p50_s:.2f} s", file=sys.stderr, flush=True)
+    return cells
+
+
 def run_load(options: LoadOptions, progress: bool = True) -> dict[str, Any]:
-    choices = parse_policies(options.policies)
+    names = [name.strip() for name in options.policies.split(",") if name.strip()]
+    with_vanilla = VANILLA in names
+    picrag_policies = ",".join(name for name in names if name != VANILLA)
+    choices = parse_policies(picrag_policies) if picrag_policies else []
     runnable = [c.name for c in choices if c.available]
     unavailable = unavailable_entries(choices)
     options.out.mkdir(parents=True, exist_ok=True)
     cells: list[Cell] = []
-    with server(options.url, options.model, options.port, options.out / "server.log") as url:
-        model_dir = model_path_of(url, options.model)
-        prompts = build_requests(options, load_layout(model_dir))
-        with httpx.Client(base_url=url, timeout=60) as client:
+    if runnable:
+        with server(options.url, options.model, options.port, options.out / "server.log") as url:
+            model_dir = model_path_of(url, options.model)
+            prompts = build_requests(options, load_layout(model_dir))
             for policy in runnable:
-                for concurrency in options.concurrency:
-                    _flush(client)
-                    before = chunk_counters(client)
-                    cell = run_cell(url, prompts, policy, concurrency, options.max_tokens)
-                    after = chunk_counters(client)
-                    compiled = {k: after.get(k, 0) - before.get(k, 0)
-                                for k in ("compile_chunk_hits", "compile_chunk_misses")}
-                    total = compiled["compile_chunk_hits"] + compiled["compile_chunk_misses"]
-                    cell.store_hit_rate = compiled["compile_chunk_hits"] / total if total else None
-                    cells.append(cell)
-                    if progress:
-                        print(f"{policy} x{concurrency}: {cell.requests_per_s:.3f} req/s, "
-                              f"TTFT p50 {cell.ttft_p50_s:.2f} s", file=sys.stderr, flush=True)
+                cells += run_cells(url, prompts, policy, options, progress)
+    if with_vanilla:
+        if not runnable:
+            from sglang_patches.model_store import resolve_model
+
+            model_dir = resolve_model(options.model)  # None: the default preset, as `picrag serve`
+            prompts = build_requests(options, load_layout(model_dir))
+        with vanilla_server(model_dir, options.out / "vanilla.log") as url:
+            cells += run_cells(url, prompts, VANILLA, options, progress)
     report = {
         "command": options.command,
         "dataset": str(options.dataset),
         "model": str(model_dir),
         "machine": machine_description(),
-        "settings": {"requests": options.requests, "pool": options.pool, "max_passages": options.max_passages,
+        "settings": {"requests": options.requests, "pool": pool_size(options), "max_passages": options.max_passages,
                      "max_tokens": options.max_tokens, "keep_order": options.keep_order, "seed": options.seed,
                      "prompt_tokens_mean": statistics.fmean(len(p.input_ids) for p in prompts)},
         "method": "closed loop; each cell starts from a flushed cache and runs the same request list",
@@ -211,10 +278,12 @@ def register(commands) -> None:
         "one table over policies x concurrency in one run (load.json, load.md in --out).",
     )
     add_dataset_arguments(load)
-    load.add_argument("--policies", default="prefix,naive")
+    load.add_argument("--policies", default=f"prefix,naive,{VANILLA}",
+                      help=f"picrag policies, and {VANILLA!r}: stock SGLang started here on the same model")
     load.add_argument("--concurrency", type=_concurrency_list, default=(1, 4, 16), metavar="N,N,...")
-    load.add_argument("--requests", type=int, default=32, help="requests per cell (default 32)")
-    load.add_argument("--pool", type=int, default=8, help="distinct questions requests are drawn from")
+    load.add_argument("--requests", type=int, default=64, help="requests per cell (default 64)")
+    load.add_argument("--pool", type=int, default=None,
+                      help="distinct questions, each asked equally often (default: requests / 4)")
     load.add_argument("--max-tokens", type=int, default=16, help="new tokens per request (default 16)")
     load.add_argument("--keep-order", action="store_true", help="do not shuffle passages per request")
     load.add_argument("--seed", type=int, default=0)

@@ -58,6 +58,7 @@ def runtime_env(base: dict[str, str] | None = None, threads: int | None = None) 
 
 CPU_ATTENTION_BACKEND = "picrag_native"
 CUDA_ATTENTION_BACKEND = "picrag_flashinfer"
+NO_PLUGIN = "-"
 
 
 @dataclass
@@ -76,6 +77,7 @@ class RuntimeConfig:
     chunk_store: Path | None = None
     chunk_store_max_bytes: int | None = None
     repair_checkpoint: Path | None = None
+    plugins: bool = True  # False: stock SGLang, no plugin loaded (the bench's `vanilla` baseline)
     extra_args: list[str] = field(default_factory=list)
 
     def resolved(self) -> RuntimeConfig:
@@ -101,6 +103,7 @@ class RuntimeConfig:
             chunk_store=self.chunk_store,
             chunk_store_max_bytes=self.chunk_store_max_bytes,
             repair_checkpoint=self.repair_checkpoint,
+            plugins=self.plugins,
             extra_args=list(self.extra_args),
         )
 
@@ -140,6 +143,9 @@ class RuntimeConfig:
         if self.device == "cpu":
             # Without it SGLang imports vLLM's rotary kernel on CPU and dies.
             env["SGLANG_USE_CPU_ENGINE"] = "1"
+        if not self.plugins:
+            # SGLang loads only the plugins this allowlist names; no plugin is named so.
+            env["SGLANG_PLUGINS"] = NO_PLUGIN
         if self.chunk_store is not None:
             # Read by sglang_patches in the scheduler process (disk_chunk_store.STORE_DIR_ENV).
             env["PICRAG_CHUNK_STORE_DIR"] = str(self.chunk_store)

@@ -9,13 +9,14 @@ clients read SGLang's own format; the RAG routes read it as text deltas.
 
 Relinking: compile and link are two requests, so under memory pressure a chunk compiled for a
 prompt can be evicted before the link arrives (and a compile skipped because the frontend
-compiled the chunk earlier finds it gone). The engine then computes the chunk as ordinary tokens:
-correct attention, but not the policy asked for, and an answer that differs from the same request
-on a quiet server. The link's first response already reports its chunk misses (`meta_info`: the
-first event of a stream, the whole body otherwise), so such a response is dropped before anything
-reaches the client (dropping a stream aborts the request in the runtime), the chunks are compiled
-again, and the link is sent again, at most MAX_RELINKS times; the last attempt is answered as it
-is.
+compiled the chunk earlier finds it gone). Every attempt but the last asks the engine to refuse
+the link when a chunk is missing as it arrives (`on_miss: refuse`): the engine answers at once,
+computing nothing (sglang_patches.link_admission), and leases the chunks of a link it queues, so
+they stay until it is served. The chunks are then compiled again and the link is sent again, at
+most MAX_RELINKS times. The last attempt is answered as it is: a chunk still missing is computed
+as ordinary tokens (correct attention, but not the policy asked for), which its first response
+reports (`meta_info`: the first event of a stream, the whole body otherwise); such a response is
+also dropped and relinked when it is not the last.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import httpx
 from rag_server.linking import sse
 from rag_server.linking.chunk_compiler import ROUTING_KEY_HEADER, ChunkCompiler, CompileError, passage_set_key
 from rag_server.linking.reuse_gate import ReuseGate
-from sglang_patches.link_hints import LinkRequest, runtime_request
+from sglang_patches.link_hints import MISS_REFUSAL, MISS_REFUSAL_STATUS, LinkRequest, runtime_request
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,12 @@ class RuntimeDelta:
 def chunk_misses(meta_info: Optional[dict[str, Any]]) -> int:
     details = (meta_info or {}).get("cached_tokens_details") or {}
     return int(details.get("picrag_chunk_misses", 0) or 0)
+
+
+def refused(meta_info: Optional[dict[str, Any]]) -> bool:
+    """The engine's answer to an `on_miss: refuse` link that missed a chunk on arrival."""
+    reason = (meta_info or {}).get("finish_reason") or {}
+    return reason.get("type") == "abort" and str(reason.get("message", "")).startswith(MISS_REFUSAL)
 
 
 def response_misses(body: bytes) -> int:
@@ -105,6 +112,7 @@ class Linked:
     rest: Optional[AsyncIterator[bytes]]
     misses: int
     compile_s: float  # spent making sure the chunks were stored, relinks included
+    refused: bool = False  # the engine refused it unrun: a chunk was missing as it arrived
 
     @classmethod
     async def read(cls, response: httpx.Response, compile_s: float) -> Linked:
@@ -112,14 +120,16 @@ class Linked:
             if is_stream(response):
                 rest = response.aiter_raw()
                 head, event = await first_event(rest)
-                return cls(response, head, rest, chunk_misses((event or {}).get("meta_info")), compile_s)
+                meta = (event or {}).get("meta_info")
+                return cls(response, head, rest, chunk_misses(meta), compile_s, refused(meta))
             head = await response.aread()
         except BaseException:
             await response.aclose()
             raise
         await response.aclose()
         misses = response_misses(head) if response.status_code == 200 else 0
-        return cls(response, head, None, misses, compile_s)
+        was_refused = response.status_code == MISS_REFUSAL_STATUS and MISS_REFUSAL.encode() in head
+        return cls(response, head, None, misses, compile_s, was_refused)
 
     async def body(self) -> AsyncIterator[bytes]:
         """The response's bytes as the runtime sent them; closes it at the end."""
@@ -165,6 +175,7 @@ class LinkPipeline:
         self.compiler = compiler
         self.sink_token = sink_token  # the model's BOS: the sink that policies with sink tokens compile
         self.gate = gate  # what chunk-reusing links are served as after the start-up self-check
+        self.relinks = 0  # links sent again because a chunk was missing (picrag_frontend_relinks)
 
     def with_sink(self, link: LinkRequest) -> LinkRequest:
         """`link` with this model's sink token where its policy compiles chunks behind sinks
@@ -185,14 +196,15 @@ class LinkPipeline:
         `link` says, its chunks compiled first; relinked when chunks are missing at link time.
         `headers` and `params` go with every link request."""
         link = self.gate.link(link)
-        runtime_ids, hints = runtime_request(input_ids, link)
         route = passage_set_key(input_ids, link)
         if route:  # behind the gateway, the compile and the link go to the replica of the passage set
             headers = {**headers, ROUTING_KEY_HEADER: route}
-        content = json.dumps({**fields, "input_ids": runtime_ids, "kv_hints": hints}).encode()
         relinks = MAX_RELINKS if link.family.reuses_chunks and link.chunks else 0
         compile_s = 0.0
         for attempt in range(relinks + 1):
+            last = attempt == relinks
+            runtime_ids, hints = runtime_request(input_ids, link if last else dataclasses.replace(link, refuse_on_miss=True))
+            content = json.dumps({**fields, "input_ids": runtime_ids, "kv_hints": hints}).encode()
             compile_s += await self._compile(input_ids, link, skip_known=attempt == 0, route=route)
             try:
                 request = self.client.build_request("POST", "/generate", content=content, headers=headers,
@@ -200,11 +212,13 @@ class LinkPipeline:
                 linked = await Linked.read(await self.client.send(request, stream=True), compile_s)
             except httpx.HTTPError as exc:
                 raise GenerationError(f"runtime unavailable: {exc}", 503) from exc
-            if attempt == relinks or not linked.misses:
+            if last or not (linked.misses or linked.refused):
                 return linked
             await linked.aclose()
-            logger.warning("%d chunk(s) not in the store at link time: compiling again (retry %d)",
-                           linked.misses, attempt + 1)
+            self.relinks += 1
+            logger.warning("%s: compiling again (retry %d)",
+                           "link refused, a chunk was not in the store" if linked.refused
+                           else f"{linked.misses} chunk(s) not in the store at link time", attempt + 1)
             self.compiler.note_eviction()
         raise AssertionError("the last attempt always answers")
 
