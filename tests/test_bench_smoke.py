@@ -91,14 +91,16 @@ def test_bench_load_smoke(picrag_server, shared_qa: Path, tmp_path: Path):
         assert cell["ttft_p50_s"] is not None and cell["ttft_p99_s"] >= cell["ttft_p50_s"]
     # The pool holds the working set: no link was refused or sent again.
     assert cells[("naive", 2)]["relinks"] == 0 and cells[("naive", 2)]["link_refusals"] == 0
+    # The shared server samples no shadows; the bench reads its rate.
+    assert cells[("naive", 2)]["shadow_rate"] == 0 and cells[("naive", 2)]["shadow_pairs"] == 0
     # Stock SGLang: no picrag counters, no relinks.
     vanilla = cells[("vanilla", 1)]
     assert vanilla["store_hit_rate"] is None and vanilla["relinks"] is None
-    # After the first request at least the head is stored, so later compiles hit the store.
-    assert cells[("naive", 1)]["store_hit_rate"] > 0
+    # One question asked 4 times: naive reuses its passages in any order.
+    assert cells[("naive", 1)]["reused_token_fraction"] > 0.5
     assert cells[("prefix", 1)]["link_hit_rate"] is None
     assert [u["policy"] for u in report["unavailable"]] == ["nosuchpolicy"]
-    assert "| naive | 2 | 4 |" in (out / "load.md").read_text()
+    assert "| naive | 2 | 0.00 | 4 |" in (out / "load.md").read_text()
 
 
 def test_the_vanilla_baseline_loads_no_sglang_plugin(tmp_path: Path):

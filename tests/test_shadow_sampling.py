@@ -180,16 +180,27 @@ DOCUMENTS = [{"title": "Oslo", "text": "Oslo is the capital of Norway. It lies a
              {"title": "Bergen", "text": "Bergen is a city on the west coast of Norway, known for rain."}]
 
 
+def _shadows_done(view: dict) -> bool:
+    samples = sum(cell["all_time"]["count"] for cells in view["policies"].values() for cell in cells.values())
+    return samples + view["shadow_cost"]["failed"] == view["shadow_cost"]["sent"]
+
+
 @pytest.mark.server
-def test_shadow_sampling_never_changes_the_answer_and_fills_the_quality_view(picrag_server):
+def test_shadow_sampling_never_changes_the_answer_and_fills_the_quality_view(picrag_server, layout):
     from rag_server.service.quality import QualitySettings
+    from retrieval.prompt_layout import PromptPassage
+    from sglang_patches.link_hints import link_hints
     from tests.inprocess_frontend import frontend
 
     query = {"question": "What is the capital of Norway?", "documents": DOCUMENTS, "policy": "naive",
              "max_tokens": 12}
+    prompt = layout.build(query["question"], [PromptPassage(d["title"], d["text"]) for d in DOCUMENTS])
+    linked = {"input_ids": prompt.input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": 6},
+              "kv_hints": link_hints("naive", list(prompt.chunks))}
     with frontend(picrag_server.url) as quiet_url:
         with httpx.Client(base_url=quiet_url, timeout=600) as quiet:
             unshadowed = quiet.post("/rag/query", json=query).json()
+            unshadowed_generate = quiet.post("/generate", json=linked).json()
             assert quiet.get("/picrag/quality").json()["shadow_cost"]["sent"] == 0
     with frontend(picrag_server.url, quality=QualitySettings(target=0.7, shadow=ShadowSettings(rate=1.0))) as url:
         with httpx.Client(base_url=url, timeout=600) as client:
@@ -200,12 +211,21 @@ def test_shadow_sampling_never_changes_the_answer_and_fills_the_quality_view(pic
                 assert time.monotonic() < deadline, view
                 time.sleep(0.5)
             after = client.post("/rag/query", json=query).json()
+            # A linked /generate is sampled too, once its answer is out (and no shadow runs).
+            while not _shadows_done(quiet_view := client.get("/picrag/quality").json()):
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+            shadowed_generate = client.post("/generate", json=linked).json()
+            while client.get("/picrag/quality").json()["shadow_cost"]["sent"] < quiet_view["shadow_cost"]["sent"] + 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
             metrics = client.get("/picrag/metrics").text
             auto = client.post("/rag/query", json={**query, "policy": "auto"}).json()
             chat = client.post("/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": query["question"]}], "max_tokens": 4,
                 "picrag": {"documents": DOCUMENTS, "policy": "auto"}}).json()
     assert shadowed["answer"] == unshadowed["answer"] == after["answer"]
+    assert shadowed_generate["output_ids"] == unshadowed_generate["output_ids"]
     assert shadowed["policy"] == "naive" and shadowed["policy_reason"] is None
     cell = view["policies"]["naive"][shadowed["usage"]["prompt_tokens"] < 512 and "<512" or "512-1024"]
     assert cell["all_time"]["count"] == 1 and cell["all_time"]["mean_kl"] >= 0.0

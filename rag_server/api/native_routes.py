@@ -8,7 +8,8 @@ accept (rag_server/api/client_fields.py refuses token ids outside the vocabulary
 own cache namespaces in any body, and the link fields only picrag sets). It then takes
 the link pipeline (rag_server/linking/pipeline.py), and the runtime's answer is relayed as SGLang
 wrote it. Other bodies are forwarded untouched; the pieces of a `picrag.compile` request are
-remembered by the compiler once the runtime stored them.
+remembered by the compiler once the runtime stored them. A linked answer is offered to shadow
+sampling once relayed in full (rag_server/service/shadow.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -26,6 +28,7 @@ from rag_server.api.client_fields import client_link, refused_field
 from rag_server.api.proxy import forward, forwarded_headers, json_object, relay
 from rag_server.api.state import Frontend, frontend
 from rag_server.linking.pipeline import GenerationError
+from rag_server.service.shadow import ShadowSampler
 from sglang_patches.link_hints import LinkHintError, LinkRequest, parse_link_request
 
 logger = logging.getLogger(__name__)
@@ -79,13 +82,32 @@ async def _linked(request: Request, payload: dict[str, Any], link: LinkRequest, 
     if too_long:
         return _error(400, too_long, "prompt_too_long")
     fields = {k: v for k, v in payload.items() if k not in ("input_ids", "kv_hints")}
+    shadow = state.rag.quality.shadow
+    shadow.request_started()
     try:
         linked = await state.pipeline.generate(input_ids, link, fields, headers=forwarded_headers(request),
                                                params=request.query_params)
     except GenerationError as exc:
+        shadow.request_ended(input_ids, link, answered=False)
         logger.error("linked /generate failed: %s", exc)
         return _error(exc.status, str(exc), "compile_failed")
-    return relay(linked.response, linked.head if linked.rest is None else linked.body())
+    ok = linked.response.status_code == 200
+    if linked.rest is None:
+        shadow.request_ended(input_ids, link, answered=ok)
+        return relay(linked.response, linked.head)
+    return relay(linked.response, _offered_to_shadow(linked.body(), shadow, input_ids, link, ok))
+
+
+async def _offered_to_shadow(body: AsyncIterator[bytes], shadow: ShadowSampler, input_ids: list[int],
+                             link: LinkRequest, ok: bool) -> AsyncIterator[bytes]:
+    """`body` relayed; once the client has it all, the request is offered to shadow sampling."""
+    answered = False
+    try:
+        async for chunk in body:
+            yield chunk
+        answered = ok
+    finally:
+        shadow.request_ended(input_ids, link, answered)
 
 
 async def _compile(request: Request, body: bytes, payload: dict[str, Any], state: Frontend) -> Response:

@@ -7,7 +7,9 @@ retrieval does for related questions, so the chunk store can reuse them while SG
 cache (`prefix`) only matches up to the first passage that moved. `--keep-order` keeps the
 dataset's order (then repeats are exact and `prefix` hits up to the question).
 
-The pseudo-policy `vanilla` is the comparison a user would make: stock SGLang (its own radix
+`--shadow-rates 0,0.02` runs the picrag cells once per shadow-sampling rate, each on a server
+started with that `--shadow-rate` (default: 0 only), so the cost of shadow sampling is measured
+side by side in one run. The pseudo-policy `vanilla` is the comparison a user would make: stock SGLang (its own radix
 cache, its stock attention backend, no picrag plugin loaded) started by the bench on the same
 model and KV pool size, sent the same prompts as plain /generate requests.
 
@@ -72,6 +74,7 @@ class LoadOptions:
     requests: int
     out: Path
     pool: int | None = None  # None: requests // 4
+    shadow_rates: tuple[float, ...] = (0.0,)  # one picrag server per rate
     max_passages: int | None = None
     max_tokens: int = 16
     keep_order: bool = False
@@ -86,6 +89,7 @@ class LoadOptions:
 class Cell:
     policy: str
     concurrency: int
+    shadow_rate: float | None  # the picrag server's --shadow-rate; None: vanilla
     requests: int
     wall_s: float
     requests_per_s: float
@@ -104,6 +108,7 @@ class Cell:
     # unrun for that reason (each refusal is one relink that computed nothing); None: vanilla.
     relinks: int | None = None
     link_refusals: int | None = None
+    shadow_pairs: int | None = None  # shadow pairs the frontend sent during the cell
 
 
 def pool_size(options: LoadOptions) -> int:
@@ -131,7 +136,8 @@ def _flush(client: httpx.Client) -> None:
     raise BenchError("/flush_cache kept failing: the cache is not empty between cells")
 
 
-def run_cell(url: str, prompts: list[CompiledPrompt], policy: str, concurrency: int, max_tokens: int) -> Cell:
+def run_cell(url: str, prompts: list[CompiledPrompt], policy: str, concurrency: int, max_tokens: int,
+             shadow_rate: float | None = None) -> Cell:
     """One cell; `policy` VANILLA sends plain prompts."""
     queue = list(enumerate(prompts))
     lock = Lock()
@@ -156,7 +162,7 @@ def run_cell(url: str, prompts: list[CompiledPrompt], policy: str, concurrency: 
     hits, misses = sum(m.chunk_hits for m in done), sum(m.chunk_misses for m in done)
     ttfts = [m.ttft_s for m in done]
     return Cell(
-        policy=policy, concurrency=concurrency, requests=len(done), wall_s=wall,
+        policy=policy, concurrency=concurrency, shadow_rate=shadow_rate, requests=len(done), wall_s=wall,
         requests_per_s=len(done) / wall,
         output_tokens_per_s=sum(m.completion_tokens for m in done) / wall,
         prompt_tokens_per_s=sum(m.prompt_tokens for m in done) / wall,
@@ -166,24 +172,27 @@ def run_cell(url: str, prompts: list[CompiledPrompt], policy: str, concurrency: 
     )
 
 
-TABLE_COLUMNS = ("policy", "concurrency", "requests", "req/s", "output tok/s", "prompt tok/s", "TTFT p50 (s)",
+TABLE_COLUMNS = ("policy", "concurrency", "shadow rate", "requests", "req/s", "output tok/s", "prompt tok/s", "TTFT p50 (s)",
                  "TTFT p99 (s)", "reused token share", "store hit rate", "link hit rate", "relinks")
 
 
 def markdown_table(cells: list[Cell], unavailable: list[dict[str, str]]) -> str:
-    rows = [(c.policy, str(c.concurrency), str(c.requests), fmt(c.requests_per_s, 3), fmt(c.output_tokens_per_s),
+    rows = [(c.policy, str(c.concurrency), fmt(c.shadow_rate), str(c.requests), fmt(c.requests_per_s, 3), fmt(c.output_tokens_per_s),
              fmt(c.prompt_tokens_per_s, 0), fmt(c.ttft_p50_s), fmt(c.ttft_p99_s), fmt(c.reused_token_fraction),
              fmt(c.store_hit_rate), fmt(c.link_hit_rate), fmt(c.relinks, 0)) for c in cells]
     return render_table(TABLE_COLUMNS, rows, unavailable)
 
 
-def frontend_relinks(client: httpx.Client) -> float:
+def frontend_counters(client: httpx.Client) -> dict[str, float]:
+    """The frontend's relinks and shadow pairs sent so far ({} from stock SGLang)."""
     response = client.get("/picrag/metrics")
+    wanted = {"picrag_frontend_relinks_total": "relinks", "picrag_shadow_requests_total": "shadow_pairs"}
+    counters = {}
     for line in response.text.splitlines() if response.status_code == 200 else ():
         name, _, value = line.partition(" ")
-        if name == "picrag_frontend_relinks_total":
-            return float(value)
-    return 0.0
+        if name in wanted:
+            counters[wanted[name]] = float(value)
+    return counters
 
 
 @contextmanager
@@ -201,24 +210,26 @@ def vanilla_server(model_dir: Path, log: Path) -> Iterator[str]:
 
 
 def run_cells(url: str, prompts: list[CompiledPrompt], policy: str, options: LoadOptions,
-              progress: bool) -> list[Cell]:
+              progress: bool, shadow_rate: float | None = None) -> list[Cell]:
     cells = []
     with httpx.Client(base_url=url, timeout=60) as client:
         for concurrency in options.concurrency:
             _flush(client)
-            before, relinks_before = chunk_counters(client), frontend_relinks(client)
-            cell = run_cell(url, prompts, policy, concurrency, options.max_tokens)
-            after, relinks_after = chunk_counters(client), frontend_relinks(client)
+            before, frontend_before = chunk_counters(client), frontend_counters(client)
+            cell = run_cell(url, prompts, policy, concurrency, options.max_tokens, shadow_rate)
+            after, frontend_after = chunk_counters(client), frontend_counters(client)
             delta = {k: after.get(k, 0) - before.get(k, 0)
                      for k in ("compile_chunk_hits", "compile_chunk_misses", "link_refusals")}
             total = delta["compile_chunk_hits"] + delta["compile_chunk_misses"]
             cell.store_hit_rate = delta["compile_chunk_hits"] / total if total else None
             if policy != VANILLA:
-                cell.relinks = int(relinks_after - relinks_before)
+                cell.relinks = int(frontend_after.get("relinks", 0) - frontend_before.get("relinks", 0))
                 cell.link_refusals = int(delta["link_refusals"])
+                cell.shadow_pairs = int(frontend_after.get("shadow_pairs", 0) - frontend_before.get("shadow_pairs", 0))
             cells.append(cell)
             if progress:
-                print(f"{policy} x{concurrency}: {cell.requests_per_s:.3f} req/s, "
+                shadow = f" (shadow rate {shadow_rate:g})" if shadow_rate else ""
+                print(f"{policy} x{concurrency}{shadow}: {cell.requests_per_s:.3f} req/s, "
                       f"TTFT p50 {cell.ttft_p50_s:.2f} s", file=sys.stderr, flush=True)
     return cells
 
@@ -232,12 +243,17 @@ def run_load(options: LoadOptions, progress: bool = True) -> dict[str, Any]:
     unavailable = unavailable_entries(choices)
     options.out.mkdir(parents=True, exist_ok=True)
     cells: list[Cell] = []
-    if runnable:
-        with server(options.url, options.model, options.port, options.out / "server.log") as url:
+    if options.url is not None and len(options.shadow_rates) > 1:
+        raise BenchError("--shadow-rates with several rates starts a server per rate: drop --url")
+    for rate in options.shadow_rates if runnable else ():
+        log = options.out / ("server.log" if rate == 0 else f"server-shadow-{rate:g}.log")
+        with server(options.url, options.model, options.port, log, ["--shadow-rate", f"{rate:g}"]) as url:
+            if options.url is not None:
+                rate = httpx.get(f"{url}/picrag/quality", timeout=30).json()["shadow_settings"]["rate"]
             model_dir = model_path_of(url, options.model)
             prompts = build_requests(options, load_layout(model_dir))
             for policy in runnable:
-                cells += run_cells(url, prompts, policy, options, progress)
+                cells += run_cells(url, prompts, policy, options, progress, rate)
     if with_vanilla:
         if not runnable:
             from sglang_patches.model_store import resolve_model
@@ -251,7 +267,7 @@ def run_load(options: LoadOptions, progress: bool = True) -> dict[str, Any]:
         "dataset": str(options.dataset),
         "model": str(model_dir),
         "machine": machine_description(),
-        "settings": {"requests": options.requests, "pool": pool_size(options), "max_passages": options.max_passages,
+        "settings": {"requests": options.requests, "pool": pool_size(options), "shadow_rates": list(options.shadow_rates), "max_passages": options.max_passages,
                      "max_tokens": options.max_tokens, "keep_order": options.keep_order, "seed": options.seed,
                      "prompt_tokens_mean": statistics.fmean(len(p.input_ids) for p in prompts)},
         "method": "closed loop; each cell starts from a flushed cache and runs the same request list",
@@ -261,6 +277,13 @@ def run_load(options: LoadOptions, progress: bool = True) -> dict[str, Any]:
     (options.out / "load.json").write_text(json.dumps(report, indent=2))
     (options.out / "load.md").write_text(markdown_table(cells, unavailable))
     return report
+
+
+def _rate_list(text: str) -> tuple[float, ...]:
+    values = tuple(float(v) for v in text.split(",") if v.strip())
+    if not values or not all(0 <= v <= 1 for v in values):
+        raise ValueError(f"--shadow-rates needs rates within [0, 1], not {text!r}")
+    return values
 
 
 def _concurrency_list(text: str) -> tuple[int, ...]:
@@ -286,6 +309,8 @@ def register(commands) -> None:
                       help="distinct questions, each asked equally often (default: requests / 4)")
     load.add_argument("--max-tokens", type=int, default=16, help="new tokens per request (default 16)")
     load.add_argument("--keep-order", action="store_true", help="do not shuffle passages per request")
+    load.add_argument("--shadow-rates", type=_rate_list, default=(0.0,), metavar="R,R,...",
+                      help="run the picrag cells on a server per shadow-sampling rate (default 0)")
     load.add_argument("--seed", type=int, default=0)
     add_server_arguments(load, default_port=8032)
     load.set_defaults(func=_main)
@@ -296,8 +321,8 @@ def _main(args) -> int:
     options = LoadOptions(
         dataset=args.dataset, policies=args.policies, concurrency=args.concurrency, requests=args.requests,
         out=args.out, pool=args.pool, max_passages=args.max_passages, max_tokens=args.max_tokens,
-        keep_order=args.keep_order, seed=args.seed, url=args.url, model=args.model, port=args.port,
-        command=command_line(),
+        keep_order=args.keep_order, seed=args.seed, shadow_rates=args.shadow_rates, url=args.url,
+        model=args.model, port=args.port, command=command_line(),
     )
     report = run_load(options)
     print((options.out / "load.md").read_text())

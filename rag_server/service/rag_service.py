@@ -161,7 +161,6 @@ class RagService:
         self.unavailable_policies = dict(unavailable_policies or {})  # family name -> why not
         self.layout = PromptLayout(tokenizer)
         self.quality = quality or QualityControl.open(QualitySettings(), None, pipeline)
-        self._running = 0  # run()s in flight: shadow samples wait for a quieter moment
         self.reuse_gate = reuse_gate
 
     def check_available(self, family: PolicyFamily) -> None:
@@ -240,15 +239,17 @@ class RagService:
         sampling = {**request.sampling, "max_new_tokens": request.max_tokens}
         # Always streamed: the first token is seen when it is produced, so TTFT is measured for
         # streaming and non-streaming clients alike.
-        self._running += 1
+        shadow = self.quality.shadow
+        shadow.request_started()
+        answered = False
         try:
             linked = await self.pipeline.generate(prompt.input_ids, link, {"sampling_params": sampling, "stream": True})
             async for event in self._answer(plan, linked):
                 yield event
+            answered = True
         finally:
-            self._running -= 1
-        # Once the answer is complete: the shadow pair runs as requests of its own.
-        self.quality.shadow.offer(prompt.input_ids, link, self._running)
+            # Once the answer is complete: the shadow pair runs as requests of its own.
+            shadow.request_ended(prompt.input_ids, link, answered)
 
     async def _answer(self, plan: RagPlan, linked: Linked) -> AsyncIterator[str | RagResult]:
         prompt = plan.prompt

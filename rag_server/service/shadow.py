@@ -2,7 +2,7 @@
 one token, in the background, to measure the policy's first-token quality on live traffic.
 
 After the user's answer has ended, a fraction `rate` of the requests whose policy reuses chunks
-gets a shadow pair: `full` for one greedy token with its top-k first-token logprobs, then the
+(`/rag/query`, chat, and linked `/generate`) gets a shadow pair: `full` for one greedy token with its top-k first-token logprobs, then the
 user's own link (same prompt, same policy) for one token with its logprobs of exactly those k ids
 (SGLang's `token_ids_logprob`). Their first-token KL and agreement go to the QualityRecord
 (rag_server/service/first_token_quality.py). Nothing of this touches the user's request: the
@@ -12,7 +12,7 @@ counted.
 Cost bound: SGLang 0.5.23 takes a request `priority`, but its scheduler ignores it unless started
 with --enable-priority-scheduling (which also changes how every other request is scheduled), so
 shadows are kept low-priority by capacity instead: at most `max_concurrent` shadow pairs run at
-once, and none starts while more than `busy_requests` RAG requests are in flight; a sampled
+once, and none starts while more than `busy_requests` linked requests are in flight; a sampled
 request refused for either reason is counted as skipped. The full prefill of the prompt is the
 cost of a pair (the policy side computes only what the policy computes); both are counted.
 """
@@ -91,10 +91,20 @@ class ShadowSampler:
         self.settings = settings
         self._rng = rng or random.Random()
         self._tasks: set[asyncio.Task] = set()
+        self.in_flight = 0  # linked requests being answered: shadows wait for a quieter moment
+
+    def request_started(self) -> None:
+        """A linked request (any route) is being answered."""
+        self.in_flight += 1
+
+    def request_ended(self, input_ids: Sequence[int], link: LinkRequest, answered: bool) -> bool:
+        """It ended; one `answered` in full is offered for sampling (True when a shadow started)."""
+        self.in_flight -= 1
+        return answered and self.offer(input_ids, link, self.in_flight)
 
     def offer(self, input_ids: Sequence[int], link: LinkRequest, in_flight: int) -> bool:
-        """Maybe start a shadow pair for a request answered with `link`, `in_flight` RAG requests
-        running; True when one started."""
+        """Maybe start a shadow pair for a request answered with `link`, `in_flight` linked
+        requests running; True when one started."""
         if not (link.family.reuses_chunks and link.chunks) or self._rng.random() >= self.settings.rate:
             return False
         if len(self._tasks) >= self.settings.max_concurrent or in_flight > self.settings.busy_requests:
