@@ -75,6 +75,7 @@ class LoadOptions:
     out: Path
     pool: int | None = None  # None: requests // 4
     shadow_rates: tuple[float, ...] = (0.0,)  # one picrag server per rate
+    max_total_tokens: int | None = None  # KV pool of the servers started here; None: picrag serve's default
     max_passages: int | None = None
     max_tokens: int = 16
     keep_order: bool = False
@@ -196,11 +197,13 @@ def frontend_counters(client: httpx.Client) -> dict[str, float]:
 
 
 @contextmanager
-def vanilla_server(model_dir: Path, log: Path) -> Iterator[str]:
+def vanilla_server(model_dir: Path, log: Path, max_total_tokens: int | None) -> Iterator[str]:
     """Stock SGLang on `model_dir`, with picrag serve's KV pool size and no picrag plugin."""
     device = "cuda" if cuda_available() else "cpu"
     config = RuntimeConfig(model_path=model_dir, device=device, attention_backend=STOCK_ATTENTION[device],
                            radix_cache_backend=None, plugins=False)
+    if max_total_tokens:
+        config.max_total_tokens = max_total_tokens
     runtime = SGLangRuntime(config, log_file=log)
     runtime.start()
     try:
@@ -247,7 +250,10 @@ def run_load(options: LoadOptions, progress: bool = True) -> dict[str, Any]:
         raise BenchError("--shadow-rates with several rates starts a server per rate: drop --url")
     for rate in options.shadow_rates if runnable else ():
         log = options.out / ("server.log" if rate == 0 else f"server-shadow-{rate:g}.log")
-        with server(options.url, options.model, options.port, log, ["--shadow-rate", f"{rate:g}"]) as url:
+        serve_args = ["--shadow-rate", f"{rate:g}"]
+        if options.max_total_tokens:
+            serve_args += ["--max-total-tokens", str(options.max_total_tokens)]
+        with server(options.url, options.model, options.port, log, serve_args) as url:
             if options.url is not None:
                 rate = httpx.get(f"{url}/picrag/quality", timeout=30).json()["shadow_settings"]["rate"]
             model_dir = model_path_of(url, options.model)
@@ -260,14 +266,15 @@ def run_load(options: LoadOptions, progress: bool = True) -> dict[str, Any]:
 
             model_dir = resolve_model(options.model)  # None: the default preset, as `picrag serve`
             prompts = build_requests(options, load_layout(model_dir))
-        with vanilla_server(model_dir, options.out / "vanilla.log") as url:
+        with vanilla_server(model_dir, options.out / "vanilla.log", options.max_total_tokens) as url:
             cells += run_cells(url, prompts, VANILLA, options, progress)
     report = {
         "command": options.command,
         "dataset": str(options.dataset),
         "model": str(model_dir),
         "machine": machine_description(),
-        "settings": {"requests": options.requests, "pool": pool_size(options), "shadow_rates": list(options.shadow_rates), "max_passages": options.max_passages,
+        "settings": {"requests": options.requests, "pool": pool_size(options), "shadow_rates": list(options.shadow_rates),
+                     "max_total_tokens": options.max_total_tokens, "max_passages": options.max_passages,
                      "max_tokens": options.max_tokens, "keep_order": options.keep_order, "seed": options.seed,
                      "prompt_tokens_mean": statistics.fmean(len(p.input_ids) for p in prompts)},
         "method": "closed loop; each cell starts from a flushed cache and runs the same request list",
@@ -309,6 +316,8 @@ def register(commands) -> None:
                       help="distinct questions, each asked equally often (default: requests / 4)")
     load.add_argument("--max-tokens", type=int, default=16, help="new tokens per request (default 16)")
     load.add_argument("--keep-order", action="store_true", help="do not shuffle passages per request")
+    load.add_argument("--max-total-tokens", type=int, default=None,
+                      help="KV pool (tokens) of the servers started here, vanilla's too (default: picrag serve's)")
     load.add_argument("--shadow-rates", type=_rate_list, default=(0.0,), metavar="R,R,...",
                       help="run the picrag cells on a server per shadow-sampling rate (default 0)")
     load.add_argument("--seed", type=int, default=0)
@@ -321,7 +330,8 @@ def _main(args) -> int:
     options = LoadOptions(
         dataset=args.dataset, policies=args.policies, concurrency=args.concurrency, requests=args.requests,
         out=args.out, pool=args.pool, max_passages=args.max_passages, max_tokens=args.max_tokens,
-        keep_order=args.keep_order, seed=args.seed, shadow_rates=args.shadow_rates, url=args.url,
+        keep_order=args.keep_order, seed=args.seed, shadow_rates=args.shadow_rates,
+        max_total_tokens=args.max_total_tokens, url=args.url,
         model=args.model, port=args.port, command=command_line(),
     )
     report = run_load(options)
