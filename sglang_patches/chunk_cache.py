@@ -17,6 +17,10 @@ It is SGLang's own `RadixCache`, with two namespaces added through `extra_key`:
   A linked prompt is keyed by its tokens and its chunk spans (`marked_prompt`; a reordered one
   by a namespace of its spans and k), so prompts share cached KV only where it is the same KV.
 
+Eviction keeps the chunk store last (`ChunksLast`): every other node (linked prompts, which only
+an exact repeat in the same order could reuse, and vanilla prefixes) is evicted before any
+stored chunk, in the configured order (LRU by default) within each group.
+
 Leases: a linked request's stored chunks are locked from its arrival at the scheduler
 (`lease_chunks`, called by sglang_patches.link_admission) until it is released or aborted, so
 no other request's allocation can evict them between arrival and graft, or while it runs; a
@@ -50,6 +54,7 @@ from typing import Optional
 import torch
 
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sglang_patches.cacheblend import PLAN_ATTR, blend_plan
@@ -156,6 +161,17 @@ class _Segment:
         return self.is_chunk and self.start == self.end
 
 
+class ChunksLast(EvictionStrategy):
+    """`base`'s eviction order, with the chunk store's nodes after all others: a stored chunk
+    serves any prompt that holds its passage, a cached linked prompt only the same prompt."""
+
+    def __init__(self, base: EvictionStrategy):
+        self.base = base
+
+    def get_priority(self, node: TreeNode):
+        return (getattr(node.key, "extra_key", None) == CHUNK_NAMESPACE, self.base.get_priority(node))
+
+
 @dataclass
 class _Lease:
     locks: list
@@ -187,6 +203,7 @@ class ChunkRadixCache(RadixCache):
         if params.page_size != 1:
             raise ValueError(f"picrag's chunk cache needs page_size 1, got {params.page_size}")
         super().__init__(params)
+        self.eviction_strategy = ChunksLast(self.eviction_strategy)
         self.kv_pool = kv_pool
         self.shifter = shifter
         self.counters = counters or CacheCounters()

@@ -81,3 +81,29 @@ def test_concurrent_load_under_eviction_answers_like_serial(small_pool_server, m
     # Chunks were evicted and compiled again during the burst, not only before it.
     assert after["compile_chunk_misses"] - before["compile_chunk_misses"] > 0
     assert burst.peak_rss - burst.baseline_rss < MAX_RSS_GROWTH
+
+
+def test_eviction_takes_cached_linked_prompts_before_stored_chunks(small_pool_server, layout, musique):
+    """Under pool pressure the chunk store outlives cached linked prompts (chunk_cache.ChunksLast):
+    a chunk compiled first and unused since is still stored after later linked prompts overfill
+    the pool; by plain LRU it would be the first to go."""
+    import httpx
+
+    from sglang_patches.link_hints import ON_MISS_REFUSE, link_hints
+
+    lone = layout.build(musique[40]["question"], passages_of(musique[40], [0]))
+    others = [layout.build(row["question"], passages_of(row, [0, 1])) for row in musique[41:44]]
+    chunk_tokens = lone.chunk_tokens + sum(p.chunk_tokens for p in others)
+    linked_tokens = len(lone.input_ids) + sum(len(p.input_ids) for p in others)
+    # The chunks fit the pool with a request in flight; chunks and linked prompts together do not.
+    assert chunk_tokens + max(len(p.input_ids) for p in others) < POOL_TOKENS < chunk_tokens + linked_tokens
+    with small_pool_server.client() as client:
+        client.post("/flush_cache").raise_for_status()
+        generate(client, lone.input_ids, "naive", lone.chunks)
+        for prompt in others:
+            generate(client, prompt.input_ids, "naive", prompt.chunks)
+    hints = link_hints("naive", list(lone.chunks))
+    hints["actions"][0]["payload"]["on_miss"] = ON_MISS_REFUSE
+    relinked = httpx.post(f"{small_pool_server.runtime_url}/generate", timeout=120, json={
+        "input_ids": lone.input_ids, "sampling_params": {"max_new_tokens": 1}, "kv_hints": hints})
+    assert relinked.status_code == 200, relinked.text  # not refused: its chunk is still stored
