@@ -218,8 +218,7 @@ def measure(client: httpx.Client, prompt: CompiledPrompt, policy: str | None, ma
     }
     if policy is not None:
         body["kv_hints"] = link_hints(policy, list(prompt.chunks))
-    else:
-        policy = "plain prompt"
+    name = policy or "plain prompt"
     if top_logprobs or probe_ids:
         body.update(return_logprob=True, top_logprobs_num=top_logprobs, logprob_start_len=-1)
     if probe_ids:
@@ -230,16 +229,16 @@ def measure(client: httpx.Client, prompt: CompiledPrompt, policy: str | None, ma
     text, meta = "", {}
     with client.stream("POST", "/generate", json=body) as response:
         if response.status_code != 200:
-            raise BenchError(f"/generate ({policy}) answered {response.status_code}: {response.read()[:300]!r}")
+            raise BenchError(f"/generate ({name}) answered {response.status_code}: {response.read()[:300]!r}")
         for event in sse.events(response.iter_lines()):
             if "error" in event:
-                raise BenchError(f"/generate ({policy}) failed: {event['error']}")
+                raise BenchError(f"/generate ({name}) failed: {event['error']}")
             if ttft is None:
                 ttft = time.perf_counter() - started
                 first_meta = event.get("meta_info") or {}
             text, meta = event.get("text", ""), event.get("meta_info") or {}
     if ttft is None:
-        raise BenchError(f"/generate ({policy}) streamed no output")
+        raise BenchError(f"/generate ({name}) streamed no output")
     # SGLang streams cumulative logprobs by default; the first event already holds position 0.
     source = meta if meta.get("output_top_logprobs") else first_meta
     return Measured(text=text, ttft_s=ttft, meta=meta,

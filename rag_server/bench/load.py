@@ -9,7 +9,9 @@ dataset's order (then repeats are exact and `prefix` hits up to the question).
 
 `--shadow-rates 0,0.02` runs the picrag cells once per shadow-sampling rate, each on a server
 started with that `--shadow-rate` (default: 0 only), so the cost of shadow sampling is measured
-side by side in one run. The pseudo-policy `vanilla` is the comparison a user would make: stock SGLang (its own radix
+side by side in one run.
+
+The pseudo-policy `vanilla` is the comparison a user would make: stock SGLang (its own radix
 cache, its stock attention backend, no picrag plugin loaded) started by the bench on the same
 model and KV pool size, sent the same prompts as plain /generate requests.
 
@@ -58,7 +60,7 @@ from rag_server.bench.common import (
     shuffled,
     unavailable_entries,
 )
-from rag_server.launch.runtime import CPU_ATTENTION_BACKEND, RuntimeConfig, SGLangRuntime, cuda_available
+from rag_server.launch.runtime import RuntimeConfig, SGLangRuntime, cuda_available
 from retrieval.prompt_layout import CompiledPrompt
 
 VANILLA = "vanilla"
@@ -173,14 +175,15 @@ def run_cell(url: str, prompts: list[CompiledPrompt], policy: str, concurrency: 
     )
 
 
-TABLE_COLUMNS = ("policy", "concurrency", "shadow rate", "requests", "req/s", "output tok/s", "prompt tok/s", "TTFT p50 (s)",
-                 "TTFT p99 (s)", "reused token share", "store hit rate", "link hit rate", "relinks")
+TABLE_COLUMNS = ("policy", "concurrency", "shadow rate", "requests", "req/s", "output tok/s", "prompt tok/s",
+                 "TTFT p50 (s)", "TTFT p99 (s)", "reused token share", "store hit rate", "link hit rate", "relinks")
 
 
 def markdown_table(cells: list[Cell], unavailable: list[dict[str, str]]) -> str:
-    rows = [(c.policy, str(c.concurrency), fmt(c.shadow_rate), str(c.requests), fmt(c.requests_per_s, 3), fmt(c.output_tokens_per_s),
-             fmt(c.prompt_tokens_per_s, 0), fmt(c.ttft_p50_s), fmt(c.ttft_p99_s), fmt(c.reused_token_fraction),
-             fmt(c.store_hit_rate), fmt(c.link_hit_rate), fmt(c.relinks, 0)) for c in cells]
+    rows = [(c.policy, str(c.concurrency), fmt(c.shadow_rate), str(c.requests), fmt(c.requests_per_s, 3),
+             fmt(c.output_tokens_per_s), fmt(c.prompt_tokens_per_s, 0), fmt(c.ttft_p50_s), fmt(c.ttft_p99_s),
+             fmt(c.reused_token_fraction), fmt(c.store_hit_rate), fmt(c.link_hit_rate), fmt(c.relinks, 0))
+            for c in cells]
     return render_table(TABLE_COLUMNS, rows, unavailable)
 
 
@@ -226,9 +229,10 @@ def run_cells(url: str, prompts: list[CompiledPrompt], policy: str, options: Loa
             total = delta["compile_chunk_hits"] + delta["compile_chunk_misses"]
             cell.store_hit_rate = delta["compile_chunk_hits"] / total if total else None
             if policy != VANILLA:
-                cell.relinks = int(frontend_after.get("relinks", 0) - frontend_before.get("relinks", 0))
+                grew = {k: int(frontend_after.get(k, 0) - frontend_before.get(k, 0))
+                        for k in ("relinks", "shadow_pairs")}
+                cell.relinks, cell.shadow_pairs = grew["relinks"], grew["shadow_pairs"]
                 cell.link_refusals = int(delta["link_refusals"])
-                cell.shadow_pairs = int(frontend_after.get("shadow_pairs", 0) - frontend_before.get("shadow_pairs", 0))
             cells.append(cell)
             if progress:
                 shadow = f" (shadow rate {shadow_rate:g})" if shadow_rate else ""
@@ -273,8 +277,9 @@ def run_load(options: LoadOptions, progress: bool = True) -> dict[str, Any]:
         "dataset": str(options.dataset),
         "model": str(model_dir),
         "machine": machine_description(),
-        "settings": {"requests": options.requests, "pool": pool_size(options), "shadow_rates": list(options.shadow_rates),
-                     "max_total_tokens": options.max_total_tokens, "max_passages": options.max_passages,
+        "settings": {"requests": options.requests, "pool": pool_size(options),
+                     "shadow_rates": list(options.shadow_rates), "max_total_tokens": options.max_total_tokens,
+                     "max_passages": options.max_passages,
                      "max_tokens": options.max_tokens, "keep_order": options.keep_order, "seed": options.seed,
                      "prompt_tokens_mean": statistics.fmean(len(p.input_ids) for p in prompts)},
         "method": "closed loop; each cell starts from a flushed cache and runs the same request list",

@@ -203,7 +203,8 @@ class LinkPipeline:
         compile_s = 0.0
         for attempt in range(relinks + 1):
             last = attempt == relinks
-            runtime_ids, hints = runtime_request(input_ids, link if last else dataclasses.replace(link, refuse_on_miss=True))
+            attempt_link = link if last else dataclasses.replace(link, refuse_on_miss=True)
+            runtime_ids, hints = runtime_request(input_ids, attempt_link)
             content = json.dumps({**fields, "input_ids": runtime_ids, "kv_hints": hints}).encode()
             compile_s += await self._compile(input_ids, link, skip_known=attempt == 0, route=route)
             try:
