@@ -272,9 +272,9 @@ def test_a_dead_replica_fails_its_stream_and_the_other_takes_its_passage_sets(re
         assert response.headers[ROUTED_TO] == replicas.urls[1]
         survivor_after = counters(httpx.Client(base_url=replicas.urls[1]))
         assert_same_answer(response.json(), answer)
-        # The frontend skipped the compile (it compiled these passages on replica 0), the link
-        # missed them on replica 1, and the relink compiled them there.
-        assert survivor_after["chunk_misses"] > survivor_before.get("chunk_misses", 0)
+        # The frontend skipped the compile (it compiled these passages on replica 0), replica 1
+        # refused the link unrun (its chunks missing), and the relink compiled them there.
+        assert survivor_after["link_refusals"] > survivor_before.get("link_refusals", 0)
         assert survivor_after["compile_chunk_misses"] > survivor_before.get("compile_chunk_misses", 0)
         assert client.get("/health").status_code == 200
     assert replicas.server.process.poll() is None

@@ -73,9 +73,14 @@ def test_picrag_counters_from_prometheus_text():
 
 
 def _wait(what: str, probe: Callable[[], T], timeout_s: float = WAIT_S) -> T:
+    from selenium.common.exceptions import StaleElementReferenceException
+
     deadline = time.monotonic() + timeout_s
     while True:
-        value = probe()
+        try:
+            value = probe()
+        except StaleElementReferenceException:  # the panel re-rendered while it was read
+            value = None
         if value:
             return value
         if time.monotonic() > deadline:

@@ -203,7 +203,8 @@ class LinkPipeline:
         compile_s = 0.0
         for attempt in range(relinks + 1):
             last = attempt == relinks
-            attempt_link = link if last else dataclasses.replace(link, refuse_on_miss=True)
+            # Refused unrun on a miss, but for the last attempt, whatever the client's hint said.
+            attempt_link = dataclasses.replace(link, refuse_on_miss=not last)
             runtime_ids, hints = runtime_request(input_ids, attempt_link)
             content = json.dumps({**fields, "input_ids": runtime_ids, "kv_hints": hints}).encode()
             compile_s += await self._compile(input_ids, link, skip_known=attempt == 0, route=route)
