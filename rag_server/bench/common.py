@@ -260,9 +260,10 @@ def warm_chunks(client: httpx.Client, layout: PromptLayout, prompt: CompiledProm
             raise BenchError(f"warm-up compile ({policy}) answered {response.status_code}: {response.text[:300]}")
 
 
-def chunk_counters(client: httpx.Client) -> dict[str, float]:
-    """picrag's Prometheus counters (`picrag_<name>_total`) by name; {} if /metrics is off."""
-    response = client.get("/metrics")
+def chunk_counters(client: httpx.Client, route: str = "/metrics") -> dict[str, float]:
+    """picrag's Prometheus counters (`picrag_<name>_total`) by name: the engine's on `/metrics`,
+    the frontend's on `/picrag/metrics`; {} where the route is off or absent."""
+    response = client.get(route)
     if response.status_code != 200:
         return {}
     counters = {}

@@ -64,6 +64,7 @@ from rag_server.launch.runtime import RuntimeConfig, SGLangRuntime, cuda_availab
 from retrieval.prompt_layout import CompiledPrompt
 
 VANILLA = "vanilla"
+FRONTEND_METRICS = "/picrag/metrics"  # the frontend's relinks and shadow pairs (stock SGLang: 404)
 # Stock SGLang's attention backends, where picrag's own subclass them.
 STOCK_ATTENTION = {"cpu": "torch_native", "cuda": "flashinfer"}
 
@@ -187,18 +188,6 @@ def markdown_table(cells: list[Cell], unavailable: list[dict[str, str]]) -> str:
     return render_table(TABLE_COLUMNS, rows, unavailable)
 
 
-def frontend_counters(client: httpx.Client) -> dict[str, float]:
-    """The frontend's relinks and shadow pairs sent so far ({} from stock SGLang)."""
-    response = client.get("/picrag/metrics")
-    wanted = {"picrag_frontend_relinks_total": "relinks", "picrag_shadow_requests_total": "shadow_pairs"}
-    counters = {}
-    for line in response.text.splitlines() if response.status_code == 200 else ():
-        name, _, value = line.partition(" ")
-        if name in wanted:
-            counters[wanted[name]] = float(value)
-    return counters
-
-
 @contextmanager
 def vanilla_server(model_dir: Path, log: Path, max_total_tokens: int | None) -> Iterator[str]:
     """Stock SGLang on `model_dir`, with picrag serve's KV pool size and no picrag plugin."""
@@ -221,17 +210,17 @@ def run_cells(url: str, prompts: list[CompiledPrompt], policy: str, options: Loa
     with httpx.Client(base_url=url, timeout=60) as client:
         for concurrency in options.concurrency:
             _flush(client)
-            before, frontend_before = chunk_counters(client), frontend_counters(client)
+            before, frontend_before = chunk_counters(client), chunk_counters(client, FRONTEND_METRICS)
             cell = run_cell(url, prompts, policy, concurrency, options.max_tokens, shadow_rate)
-            after, frontend_after = chunk_counters(client), frontend_counters(client)
+            after, frontend_after = chunk_counters(client), chunk_counters(client, FRONTEND_METRICS)
             delta = {k: after.get(k, 0) - before.get(k, 0)
                      for k in ("compile_chunk_hits", "compile_chunk_misses", "link_refusals")}
             total = delta["compile_chunk_hits"] + delta["compile_chunk_misses"]
             cell.store_hit_rate = delta["compile_chunk_hits"] / total if total else None
             if policy != VANILLA:
                 grew = {k: int(frontend_after.get(k, 0) - frontend_before.get(k, 0))
-                        for k in ("relinks", "shadow_pairs")}
-                cell.relinks, cell.shadow_pairs = grew["relinks"], grew["shadow_pairs"]
+                        for k in ("frontend_relinks", "shadow_requests")}
+                cell.relinks, cell.shadow_pairs = grew["frontend_relinks"], grew["shadow_requests"]
                 cell.link_refusals = int(delta["link_refusals"])
             cells.append(cell)
             if progress:
