@@ -68,7 +68,7 @@ from sglang_patches.rope_shift import KeyShifter
 logger = logging.getLogger(__name__)
 
 CHUNK_NAMESPACE = f"{NAMESPACE_PREFIX}chunk"
-_LINK_ATTR = "picrag_link"
+LINK_ATTR = "picrag_link"
 STATS_ATTR = "picrag_stats"
 # The true position of every token of a reordered (LegoLink) prompt, read by
 # sglang_patches.positions when the forward batch is built.
@@ -125,6 +125,8 @@ class LinkStats:
     reused_tokens: int = 0
     computed_tokens: int = 0
     grafted_tokens: int = 0
+    # sglang_patches.first_token_report: the first answer token's log-probabilities, until sent.
+    first_token_logprobs: Optional[str] = None
 
     def as_meta(self) -> dict[str, int | str]:
         return {
@@ -221,8 +223,8 @@ class ChunkRadixCache(RadixCache):
     def _link_of(self, req) -> Optional[LinkRequest]:
         if req is None:
             return None
-        if hasattr(req, _LINK_ATTR):
-            return getattr(req, _LINK_ATTR)
+        if hasattr(req, LINK_ATTR):
+            return getattr(req, LINK_ATTR)
         shape = shape_of_req(req)
         # Runs before the request's first match or insert: from here on, a client's own
         # extra_key can never name one of picrag's namespaces.
@@ -240,7 +242,7 @@ class ChunkRadixCache(RadixCache):
             logger.warning("request %s: %s without a repair checkpoint, serving it as %s",
                            req.rid, link.policy, link.family.unrepaired)
             link = dataclasses.replace(link, policy=link.family.unrepaired)
-        setattr(req, _LINK_ATTR, link)
+        setattr(req, LINK_ATTR, link)
         if link is not None:
             if not link.family.inserts_into_tree:
                 # full stores nothing. A blended token's KV depends on the whole prompt (the

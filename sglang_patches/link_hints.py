@@ -41,7 +41,7 @@ PROTOCOL_VERSION = "1"
 ORIGINAL_LAYOUT = "original"
 # The value of "layout" for a prompt sent in LegoLink's order (families with reordered_layout).
 REORDERED_LAYOUT = "legolink"
-LINK_FIELDS = ("policy", "chunks", K.name, RATIO.name, "layout", "sink_token", "on_miss")
+LINK_FIELDS = ("policy", "chunks", K.name, RATIO.name, "layout", "sink_token", "on_miss", "first_token_logprobs")
 ON_MISS_COMPUTE = "compute"
 ON_MISS_REFUSE = "refuse"
 # The start of the engine's answer to an `on_miss: refuse` link whose chunks are not all stored
@@ -63,6 +63,7 @@ class LinkRequest:
     sink_token: Optional[int] = None  # families with sink_tokens: the token compiled before each chunk
     ratio: float = 0.0  # families with param "ratio": fraction of chunk tokens recomputed after the check layer
     refuse_on_miss: bool = False  # answer at once, computing nothing, if a chunk is not stored on arrival
+    report_first_token: bool = False  # return the first answer token's full-vocabulary log-probabilities
 
     @classmethod
     def of(cls, policy: Union[str, Policy], chunks, sink_token: Optional[int] = None) -> LinkRequest:
@@ -170,12 +171,15 @@ def _link_of_payload(payload: dict) -> LinkRequest:
     on_miss = payload.get("on_miss", ON_MISS_COMPUTE)
     if on_miss not in (ON_MISS_COMPUTE, ON_MISS_REFUSE):
         raise LinkHintError(f"on_miss must be {ON_MISS_COMPUTE!r} or {ON_MISS_REFUSE!r}, got {on_miss!r}")
+    report = payload.get("first_token_logprobs", False)
+    if not isinstance(report, bool):
+        raise LinkHintError(f"first_token_logprobs must be true or false, got {report!r}")
     return LinkRequest(
         policy=family.name, chunks=_spans(payload.get("chunks", [])),
         k=param if family.param == K.name else 0,
         ratio=float(param) if family.param == RATIO.name else 0.0,
         layout=layout, sink_token=None if sink is None else _whole(sink, "sink_token"),
-        refuse_on_miss=on_miss == ON_MISS_REFUSE,
+        refuse_on_miss=on_miss == ON_MISS_REFUSE, report_first_token=report,
     )
 
 
@@ -218,9 +222,9 @@ def _envelope(action_type: str, payload: dict) -> dict:
     }
 
 
-def link_hints(policy: str, chunks: list[tuple[int, int]]) -> dict:
+def link_hints(policy: str, chunks: list[tuple[int, int]], report_first_token: bool = False) -> dict:
     """Hints for a prompt in its original order; `policy` is a policy name ('legolink:K')."""
-    link = LinkRequest.of(policy, chunks)
+    link = dataclasses.replace(LinkRequest.of(policy, chunks), report_first_token=report_first_token)
     return hints_of(link)
 
 
@@ -234,6 +238,8 @@ def hints_of(link: LinkRequest) -> dict:
         payload["sink_token"] = link.sink_token
     if link.refuse_on_miss:
         payload["on_miss"] = ON_MISS_REFUSE
+    if link.report_first_token:
+        payload["first_token_logprobs"] = True
     return _envelope(LINK_ACTION, payload)
 
 

@@ -8,6 +8,8 @@ SGLang calls `register` early in its main, scheduler and detokenizer processes. 
   with true-position annotations run FlashInfer prefill with a custom mask
   (sglang_patches.flashinfer_attention);
 * a hook that adds each request's chunk-cache accounting to ``meta_info`` (sglang_patches.meta_info);
+* a hook that keeps the first answer token's full-vocabulary log-probabilities for links that
+  ask (sglang_patches.first_token_report);
 * a hook that runs reordered LegoLink prompts at their true positions (sglang_patches.positions);
 * hooks that run CacheBlend's selective recompute in the forward (sglang_patches.cacheblend);
 * a hook that keeps those per-forward annotations on the eager runner's copy of the batch
@@ -105,8 +107,8 @@ def register() -> None:
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
     from sglang_patches import (
-        attention, batch_annotations, cacheblend, flashinfer_attention, link_admission, meta_info, positions,
-        request_guard, selfcheck,
+        attention, batch_annotations, cacheblend, first_token_report, flashinfer_attention, link_admission,
+        meta_info, positions, request_guard, selfcheck,
     )
 
     if get_radix_cache_factory(RADIX_CACHE_BACKEND) is None:
@@ -114,6 +116,7 @@ def register() -> None:
     attention.register()
     flashinfer_attention.register()
     meta_info.register()
+    first_token_report.register()
     positions.register()
     cacheblend.register()
     batch_annotations.register()

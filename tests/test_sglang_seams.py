@@ -8,7 +8,7 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 import sglang
 
-from sglang_patches import link_admission, meta_info, plugin, request_guard
+from sglang_patches import first_token_report, link_admission, meta_info, plugin, request_guard
 
 
 def resolve(dotted: str):
@@ -27,6 +27,9 @@ def test_hooked_method_signature():
     assert list(inspect.signature(resolve(request_guard.HOOK_TARGET)).parameters) == ["self", "obj", "input_ids"]
     # Every request SGLang queues passes here; a retracted one says so.
     assert list(inspect.signature(resolve(link_admission.HOOK_TARGET)).parameters) == ["self", "req", "is_retracted"]
+    # Every generation forward's results pass here, the logits row of each request still held.
+    assert list(inspect.signature(resolve(first_token_report.HOOK_TARGET)).parameters) == [
+        "self", "batch_result", "batch"]
 
 
 def test_the_intake_abort_picrag_refuses_a_link_with():

@@ -29,10 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 
 from rag_server.linking import sse
 from rag_server.linking.chunk_compiler import compile_request, segments_to_compile
 from retrieval.prompt_layout import CompiledPrompt, PromptLayout, PromptPassage
+from sglang_patches.first_token_report import META_KEY as FIRST_TOKEN_META_KEY
+from sglang_patches.first_token_report import decode as decode_logprobs
 from sglang_patches.link_hints import LinkRequest, link_hints
 from sglang_patches.policies import PolicyError, parse_policy
 
@@ -168,8 +171,8 @@ class Measured:
     text: str
     ttft_s: float
     meta: dict[str, Any]
-    first_top: dict[int, float] = field(default_factory=dict)  # first token: id -> logprob (top-k)
-    first_probe: dict[int, float] = field(default_factory=dict)  # first token: asked ids -> logprob
+    # The first answer token's log-probabilities over the whole vocabulary, when asked for.
+    first_logprobs: np.ndarray | None = None
 
     @property
     def details(self) -> dict[str, Any]:
@@ -201,31 +204,22 @@ class Measured:
         return int(self.meta.get("completion_tokens", 0))
 
 
-def _first_position(meta: dict[str, Any], key: str) -> dict[int, float]:
-    positions = meta.get(key) or []
-    if not positions or not positions[0]:
-        return {}
-    return {int(entry[1]): float(entry[0]) for entry in positions[0]}
-
-
 def measure(client: httpx.Client, prompt: CompiledPrompt, policy: str | None, max_tokens: int,
-            top_logprobs: int = 0, probe_ids: Sequence[int] = ()) -> Measured:
-    """`prompt` linked under `policy`, or sent as a plain prompt (None: stock SGLang's request)."""
+            first_token_distribution: bool = False) -> Measured:
+    """`prompt` linked under `policy`, or sent as a plain prompt (None: stock SGLang's request).
+    `first_token_distribution` asks the engine for the first answer token's log-probabilities over
+    the whole vocabulary (sglang_patches.first_token_report; linked requests only)."""
     body: dict[str, Any] = {
         "input_ids": prompt.input_ids,
         "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens},
         "stream": True,
     }
     if policy is not None:
-        body["kv_hints"] = link_hints(policy, list(prompt.chunks))
+        body["kv_hints"] = link_hints(policy, list(prompt.chunks), report_first_token=first_token_distribution)
     name = policy or "plain prompt"
-    if top_logprobs or probe_ids:
-        body.update(return_logprob=True, top_logprobs_num=top_logprobs, logprob_start_len=-1)
-    if probe_ids:
-        body["token_ids_logprob"] = list(probe_ids)
     started = time.perf_counter()
     ttft = None
-    first_meta: dict[str, Any] = {}
+    first_logprobs = None
     text, meta = "", {}
     with client.stream("POST", "/generate", json=body) as response:
         if response.status_code != 200:
@@ -235,15 +229,15 @@ def measure(client: httpx.Client, prompt: CompiledPrompt, policy: str | None, ma
                 raise BenchError(f"/generate ({name}) failed: {event['error']}")
             if ttft is None:
                 ttft = time.perf_counter() - started
-                first_meta = event.get("meta_info") or {}
             text, meta = event.get("text", ""), event.get("meta_info") or {}
+            sent = (meta.get("cached_tokens_details") or {}).get(FIRST_TOKEN_META_KEY)
+            if sent is not None:
+                first_logprobs = decode_logprobs(sent)
     if ttft is None:
         raise BenchError(f"/generate ({name}) streamed no output")
-    # SGLang streams cumulative logprobs by default; the first event already holds position 0.
-    source = meta if meta.get("output_top_logprobs") else first_meta
-    return Measured(text=text, ttft_s=ttft, meta=meta,
-                    first_top=_first_position(source, "output_top_logprobs"),
-                    first_probe=_first_position(source, "output_token_ids_logprobs"))
+    if first_token_distribution and first_logprobs is None:
+        raise BenchError(f"/generate ({name}) sent no first-token distribution")
+    return Measured(text=text, ttft_s=ttft, meta=meta, first_logprobs=first_logprobs)
 
 
 def warm_chunks(client: httpx.Client, layout: PromptLayout, prompt: CompiledPrompt, policy: str) -> None:

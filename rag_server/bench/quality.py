@@ -8,11 +8,9 @@ measured prompt itself is never sent before, so SGLang's prefix matching cannot 
 an exact repeat. `prefix` reuses whatever its own radix tree holds (the head, from the previous
 question, and any common passage prefix).
 
-First-token KL to `full`: `full` returns its top-k first-token logprobs; every other policy is
-asked for its logprobs of exactly those k token ids (SGLang's `token_ids_logprob`), and the KL
-is computed over k+1 outcomes (those k tokens and "any other token"). By the data-processing
-inequality this is a lower bound of the exact KL; with k=20 the rest bucket of these models
-holds little mass.
+First-token KL to `full`: exact, over the whole vocabulary. Every request asks the engine for its
+first answer token's log-probabilities (sglang_patches.first_token_report), and the KL is
+computed from the two distributions.
 """
 
 from __future__ import annotations
@@ -53,10 +51,12 @@ from rag_server.bench.common import (
 from rag_server.bench.scoring import score_answer
 from rag_server.launch.repair_checkpoint import SHIPPED_DIR
 from rag_server.service.auto_policy import CalibrationTable
-from rag_server.service.first_token_quality import BUCKET_BOUNDS, first_token_kl, size_bucket
+from rag_server.service.first_token_quality import BUCKET_BOUNDS, size_bucket
+from sglang_patches.first_token_report import exact_kl
 from sglang_patches.policies import parse_policy
 
 REFERENCE = "full"
+NAIVE = "naive"  # the KL every other policy's is measured against: reuse with no correction
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,6 @@ class QualityOptions:
     limit: int | None = 10
     max_passages: int | None = None
     max_tokens: int = 32
-    top_logprobs: int = 20
     url: str | None = None
     model: str | None = None
     port: int = 8031
@@ -94,7 +93,7 @@ class QuestionResult:
 
 def _question_result(row: QARow, policy: str, measured: Measured, reference: Measured) -> QuestionResult:
     score = score_answer(measured.text, row.answers)
-    kl = 0.0 if policy == REFERENCE else first_token_kl(reference.first_top, measured.first_probe)
+    kl = 0.0 if policy == REFERENCE else exact_kl(reference.first_logprobs, measured.first_logprobs)
     return QuestionResult(
         id=row.id, policy=policy, answer=measured.text, em=score.em, f1=score.f1,
         agrees_with_full=measured.text.strip() == reference.text.strip(), first_token_kl=kl,
@@ -134,18 +133,27 @@ def summarise(results: list[QuestionResult], policies: list[str]) -> dict[str, d
             "chunk_hit_rate": hits / (hits + misses) if hits + misses else None,
         }
     reference = summary.get(REFERENCE, {}).get("ttft_p50_s")
+    naive_kl = summary.get(NAIVE, {}).get("first_token_kl_mean")
     for values in summary.values():
         values["ttft_speedup_vs_full"] = reference / values["ttft_p50_s"] if reference and values["ttft_p50_s"] else None
+        # How much of reuse's KL the policy removes: 0% is naive's KL, 100% is full prefill's.
+        kl = values["first_token_kl_mean"]
+        values["naive_kl_closed"] = 100 * (1 - kl / naive_kl) if naive_kl and kl is not None else None
     return summary
 
 
-TABLE_COLUMNS = ("policy", "F1", "EM", "agree w/ full %", "1st-token KL", "TTFT p50 (s)", "TTFT p90 (s)",
-                 "speed-up", "computed tok", "reused tok", "chunk hit rate")
+TABLE_COLUMNS = ("policy", "F1", "EM", "agree w/ full %", "1st-token KL", "naive's KL closed", "TTFT p50 (s)",
+                 "TTFT p90 (s)", "speed-up", "computed tok", "reused tok", "chunk hit rate")
+
+
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0f}%"
 
 
 def markdown_table(summary: dict[str, dict[str, Any]], unavailable: list[dict[str, str]]) -> str:
     rows = [(policy, fmt(s["f1"], 1), fmt(s["em"], 1), fmt(s["agreement_with_full"], 0),
-             fmt(s["first_token_kl_mean"], 3), fmt(s["ttft_p50_s"]), fmt(s["ttft_p90_s"]),
+             fmt(s["first_token_kl_mean"], 3), _percent(s["naive_kl_closed"]), fmt(s["ttft_p50_s"]),
+             fmt(s["ttft_p90_s"]),
              f"{fmt(s['ttft_speedup_vs_full'], 1)}x", fmt(s["computed_tokens_mean"], 0),
              fmt(s["reused_tokens_mean"], 0), fmt(s["chunk_hit_rate"])) for policy, s in summary.items()]
     return render_table(TABLE_COLUMNS, rows, unavailable)
@@ -217,13 +225,13 @@ def run_quality(options: QualityOptions, progress: bool = True) -> dict[str, Any
         with httpx.Client(base_url=url, timeout=1800) as client:
             for row in tqdm(rows, desc="picrag bench quality", unit="q", disable=not progress, file=sys.stderr):
                 prompt = layout.build(row.question, row.passages)
-                reference = measure(client, prompt, REFERENCE, options.max_tokens, options.top_logprobs)
+                reference = measure(client, prompt, REFERENCE, options.max_tokens, first_token_distribution=True)
                 results.append(_question_result(row, REFERENCE, reference, reference))
                 for policy in [p for p in runnable[1:] if p not in failed]:
                     try:
                         warm_chunks(client, layout, prompt, policy)
-                        measured = measure(client, prompt, policy, options.max_tokens, options.top_logprobs,
-                                           probe_ids=list(reference.first_top))
+                        measured = measure(client, prompt, policy, options.max_tokens,
+                                           first_token_distribution=True)
                     except BenchError as exc:
                         # One broken policy must not cost the others' run: report it instead.
                         failed[policy] = f"failed on question {row.id}: {exc}"
@@ -241,15 +249,13 @@ def run_quality(options: QualityOptions, progress: bool = True) -> dict[str, Any
         "passages_per_question": statistics.fmean(len(r.passages) for r in rows),
         "model": str(model_dir),
         "machine": machine_description(),
-        "settings": {"max_tokens": options.max_tokens, "greedy": True, "top_logprobs": options.top_logprobs,
-                     "max_passages": options.max_passages},
+        "settings": {"max_tokens": options.max_tokens, "greedy": True, "max_passages": options.max_passages},
         "method": {
             "ttft": "client wall time to the first streamed token through the frontend's /generate "
                     "(chunk compile round trips included)",
             "warm": "the head and passages a chunk policy links compiled (picrag.compile) right before "
                     "that policy is measured on the question",
-            "first_token_kl": f"KL(full || policy) over full's top-{options.top_logprobs} first tokens "
-                              "plus an 'other' bucket (a lower bound of the exact KL)",
+            "first_token_kl": "KL(full || policy) of the first answer token, exact over the whole vocabulary",
             "agreement": "greedy answer text identical to full's (whitespace-stripped)",
             "scores": "SQuAD EM/F1 of the first answer line, max over gold aliases, in percent",
         },
@@ -281,7 +287,6 @@ def register(commands) -> None:
                          help="comma-separated; unknown ones, and ones the server refuses, are reported as unavailable")
     quality.add_argument("--limit", type=int, default=10, help="first N questions (default 10)")
     quality.add_argument("--max-tokens", type=int, default=32, help="new tokens per answer (default 32)")
-    quality.add_argument("--top-logprobs", type=int, default=20, help="k of the first-token KL (default 20)")
     quality.add_argument("--write-calibration", type=Path, default=None, metavar="FILE",
                          help="also write the `auto` policy's calibration table (mean KL per policy and "
                          "prompt size, policies by speed-up) for `picrag serve --calibration FILE`")
@@ -293,7 +298,7 @@ def register(commands) -> None:
 def _main(args) -> int:
     options = QualityOptions(
         dataset=args.dataset, policies=args.policies, out=args.out, limit=args.limit,
-        max_passages=args.max_passages, max_tokens=args.max_tokens, top_logprobs=args.top_logprobs,
+        max_passages=args.max_passages, max_tokens=args.max_tokens,
         url=args.url, model=args.model, port=args.port, command=command_line(),
         write_calibration=args.write_calibration,
     )

@@ -1,0 +1,76 @@
+"""The first answer token's log-probabilities over the whole vocabulary, for links that ask.
+
+SGLang returns top-k log-probabilities for every output token, and streams them cumulatively:
+the whole vocabulary at 32 output tokens would be tens of megabytes per request. A benchmark
+that wants the exact first-token KL between two policies needs one full distribution, once. A
+link sent with ``"first_token_logprobs": true`` gets it: an AFTER hook on the scheduler's
+result readback (`Scheduler._copy_result_to_cpu`, which every generation forward passes) takes
+the log-softmax of the logits row of each such request whose prefill has just produced its
+first token, and sglang_patches.meta_info ships it once in ``meta_info`` as
+``picrag_first_token_logprobs``: base64 of little-endian float32, one per vocabulary id.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Optional
+
+import numpy as np
+
+HOOK_TARGET = "sglang.srt.managers.scheduler.Scheduler._copy_result_to_cpu"
+META_KEY = "picrag_first_token_logprobs"
+
+
+def encode(logprobs) -> str:
+    return base64.b64encode(np.asarray(logprobs, dtype="<f4").tobytes()).decode("ascii")
+
+
+def decode(text: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(text), dtype="<f4")
+
+
+def exact_kl(reference: np.ndarray, measured: np.ndarray) -> float:
+    """KL(reference || measured) over the whole vocabulary, from two log-probability vectors."""
+    if reference.shape != measured.shape:
+        raise ValueError(f"distributions over {reference.shape} and {measured.shape} ids")
+    p_log = reference.astype(np.float64)
+    q_log = measured.astype(np.float64)
+    p = np.exp(p_log)
+    # Tokens the reference gives no mass to contribute nothing, whatever the other side says.
+    support = p > 0
+    return float(np.sum(p[support] * (p_log[support] - q_log[support])))
+
+
+def capture(_result, _scheduler, batch_result, batch) -> None:
+    from sglang_patches.chunk_cache import LINK_ATTR, STATS_ATTR
+
+    logits = getattr(batch_result.logits_output, "next_token_logits", None) \
+        if batch_result.logits_output is not None else None
+    if logits is None or not batch.forward_mode.is_extend():
+        return None
+    for row, req in enumerate(batch.reqs):
+        link = getattr(req, LINK_ATTR, None)
+        # A re-prefill after retraction (output_ids already hold the answer so far) is no first
+        # token. A chunked prefill passes here once per piece: each piece's row replaces the one
+        # before, and SGLang emits nothing for a request before its last piece has run, so the
+        # row sent is the last piece's, the first answer token's.
+        if link is None or not link.report_first_token or req.output_ids:
+            continue
+        stats = getattr(req, STATS_ATTR, None)
+        if stats is not None:
+            stats.first_token_logprobs = encode(logits[row].float().log_softmax(-1).cpu().numpy())
+    return None
+
+
+def take_for_output(stats, streamed: bool) -> Optional[str]:
+    """The captured distribution for this output; a streamed request sends it once."""
+    value = stats.first_token_logprobs
+    if value is not None and streamed:
+        stats.first_token_logprobs = None
+    return value
+
+
+def register() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(HOOK_TARGET, capture, HookType.AFTER)

@@ -1,0 +1,85 @@
+"""The first answer token's full-vocabulary distribution (`first_token_logprobs` in a link):
+what the engine sends is SGLang's own distribution, sent once, and the exact KL computed from it
+is zero between policies that are equivalent and positive between ones that are not."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from rag_server.linking import sse
+from sglang_patches.first_token_report import META_KEY, decode, encode, exact_kl
+from sglang_patches.link_hints import LinkHintError, LinkRequest, hints_of, link_hints, parse_link_request
+from tests.chunk_requests import first_token_top, passages_of
+
+
+def test_encoding_round_trip_and_exact_kl():
+    logits = np.random.default_rng(0).normal(size=50).astype(np.float32)
+    p = logits - np.log(np.exp(logits.astype(np.float64)).sum())
+    assert np.array_equal(decode(encode(p)), p.astype("<f4"))
+    assert exact_kl(p, p) == 0.0
+    q = np.log(np.full(50, 1 / 50))
+    expected = float(np.sum(np.exp(p) * (p - q)))
+    assert exact_kl(p, q) == pytest.approx(expected, rel=1e-12) and expected > 0
+    with pytest.raises(ValueError):
+        exact_kl(p, q[:10])
+
+
+def test_the_request_flag_travels_in_the_link_hints_and_is_parsed_strictly():
+    link = LinkRequest.of("naive", [(2, 5)])
+    hints = link_hints("naive", [(2, 5)], report_first_token=True)
+    assert parse_link_request(hints).report_first_token and parse_link_request(hints_of(link)) == link
+    hints["actions"][0]["payload"]["first_token_logprobs"] = "yes"
+    with pytest.raises(LinkHintError, match="first_token_logprobs"):
+        parse_link_request(hints)
+
+
+def _body(prompt, policy: str, report: bool, **extra) -> dict:
+    return {"input_ids": prompt.input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": 4},
+            "kv_hints": link_hints(policy, list(prompt.chunks), report_first_token=report), **extra}
+
+
+def _distribution(out: dict):
+    sent = (out["meta_info"].get("cached_tokens_details") or {}).get(META_KEY)
+    return None if sent is None else decode(sent)
+
+
+@pytest.mark.server
+def test_the_distribution_is_sglangs_own_and_the_exact_kl_is_zero_only_between_equivalent_policies(
+        picrag_server, layout, musique):
+    row = musique[70]
+    prompt = layout.build(row["question"], passages_of(row, [3, 0, 2, 1]))
+    longest = max(end - start for start, end in prompt.chunks)
+    top = {"return_logprob": True, "top_logprobs_num": 5}
+    with picrag_server.client() as client:
+        outs = {policy: client.post("/generate", json=_body(prompt, policy, True, **top)).json()
+                for policy in ("full", f"legolink:{longest}", "naive")}
+        silent = client.post("/generate", json=_body(prompt, "naive", False)).json()
+    full = _distribution(outs["full"])
+    assert full is not None and _distribution(silent) is None
+    # The whole vocabulary, normalised, its argmax the token generated, its top-5 SGLang's own.
+    assert np.exp(full.astype(np.float64)).sum() == pytest.approx(1.0, abs=1e-4)  # float32 log-softmax
+    assert int(np.argmax(full)) == outs["full"]["output_ids"][0]
+    for token, logprob in first_token_top(outs["full"]).items():
+        assert float(full[token]) == pytest.approx(logprob, abs=1e-5)
+    # legolink with k covering every chunk is full prefill; naive is not.
+    assert exact_kl(full, _distribution(outs[f"legolink:{longest}"])) < 1e-6
+    assert exact_kl(full, _distribution(outs["naive"])) > 1e-3
+
+
+@pytest.mark.server
+def test_a_stream_carries_the_distribution_once_through_the_frontend(picrag_server, layout, musique):
+    row = musique[71]
+    prompt = layout.build(row["question"], passages_of(row, [1, 0]))
+    with picrag_server.client() as client:
+        with client.stream("POST", "/generate", json=_body(prompt, "naive", True, stream=True)) as response:
+            assert response.status_code == 200
+            events = list(sse.events(response.iter_lines()))
+        whole = client.post("/generate", json=_body(prompt, "naive", True)).json()
+    carrying = [e for e in events if META_KEY in (e.get("meta_info", {}).get("cached_tokens_details") or {})]
+    assert len(events) > 1 and len(carrying) == 1
+    streamed = decode(carrying[0]["meta_info"]["cached_tokens_details"][META_KEY])
+    assert exact_kl(_distribution(whole), streamed) < 1e-6
+    assert len(json.dumps(events[-1])) < 10_000  # the last event does not repeat it
