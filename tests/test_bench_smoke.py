@@ -1,11 +1,10 @@
 """`picrag bench quality` / `picrag bench load` end to end on the shared server (tiny runs), plus
-the pieces that need no server: policy parsing, the first-token KL, split-GGUF assembly."""
+the pieces that need no server: policy parsing, split-GGUF assembly."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,7 +13,6 @@ import pytest
 from rag_server.bench.common import parse_policies
 from rag_server.bench.load import LoadOptions, run_load
 from rag_server.bench.quality import QualityOptions, run_quality
-from rag_server.service.first_token_quality import first_token_kl
 from sglang_patches.model_store import PRESETS, ModelStoreError
 
 
@@ -25,15 +23,6 @@ def test_unknown_policies_are_reported_not_dropped():
     assert "unknown policy 'bogus'" in choices["bogus"].reason
     assert "0 <= R <= 1" in parse_policies("cacheblend:2")[0].reason
     assert "whole number" in parse_policies("legolink:x")[0].reason
-
-
-def test_first_token_kl_partition():
-    reference = {1: math.log(0.6), 2: math.log(0.3)}
-    assert first_token_kl(reference, dict(reference)) == pytest.approx(0.0, abs=1e-12)
-    probe = {1: math.log(0.3), 2: math.log(0.6)}
-    expected = 0.6 * math.log(2) + 0.3 * math.log(0.5)  # the "other" bucket is 0.1 in both
-    assert first_token_kl(reference, probe) == pytest.approx(expected)
-    assert first_token_kl(reference, {1: 0.0}) is None  # the policy did not return every id
 
 
 def test_split_gguf_is_assembled_in_order_and_hash_checked(tmp_path, monkeypatch):

@@ -14,26 +14,27 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from rag_server.service.first_token_quality import (QualityRecord, Sample, bucket_labels, first_token_kl,
-                                                    size_bucket)
+import numpy as np
+
+from rag_server.service.first_token_quality import QualityRecord, Sample, bucket_labels, size_bucket
 from rag_server.service.quality_metrics import QualityMetrics
 from rag_server.service.shadow import ShadowSampler, ShadowSettings, first_token, policy_name
+from sglang_patches.first_token_report import META_KEY, encode
 from sglang_patches.link_hints import LinkRequest
 
 CHUNKS = [(10, 40), (40, 90)]
 PROMPT = list(range(100))
-FULL_TOP = {5: math.log(0.6), 7: math.log(0.3)}
-PROBE = {5: math.log(0.3), 7: math.log(0.6)}
+# Distributions over a 10-token vocabulary: full puts 0.6 on token 5 and 0.3 on token 7, the
+# policy the other way round; both spread the last 0.1 evenly over the other 8 tokens.
+FULL = np.log(np.array([0.1 / 8] * 5 + [0.6, 0.1 / 8, 0.3] + [0.1 / 8] * 2))
+PROBE = np.log(np.array([0.1 / 8] * 5 + [0.3, 0.1 / 8, 0.6] + [0.1 / 8] * 2))
+PAIR_KL = 0.3 * math.log(2)  # 0.6 ln(0.6/0.3) + 0.3 ln(0.3/0.6)
 
 
-def test_buckets_and_the_kl_bound():
+def test_buckets():
     assert bucket_labels() == ["<512", "512-1024", "1024-2048", ">=2048"]
     assert [size_bucket(n) for n in (0, 511, 512, 1023, 1024, 2047, 2048, 10**6)] == [
         "<512", "<512", "512-1024", "512-1024", "1024-2048", "1024-2048", ">=2048", ">=2048"]
-    assert first_token_kl(FULL_TOP, FULL_TOP) == 0.0
-    # 0.6 ln(0.6/0.3) + 0.3 ln(0.3/0.6) + 0.1 ln(0.1/0.1) = 0.3 ln 2
-    assert first_token_kl(FULL_TOP, PROBE) == pytest.approx(0.3 * math.log(2))
-    assert first_token_kl(FULL_TOP, {5: 0.0}) is None and first_token_kl({}, {}) is None
 
 
 @dataclass
@@ -47,16 +48,16 @@ class _Linked:
     head: bytes
 
 
-def _answer(token: int, key: str, logprobs: dict[int, float], prompt: int, computed: int | None = None) -> bytes:
-    meta = {"prompt_tokens": prompt, "output_token_logprobs": [[logprobs.get(token, -1.0), token, None]],
-            key: [[[lp, tid, None] for tid, lp in logprobs.items()]]}
+def _answer(token: int, logprobs: np.ndarray, prompt: int, computed: int | None = None) -> bytes:
+    details = {META_KEY: encode(logprobs)}
     if computed is not None:
-        meta["cached_tokens_details"] = {"picrag_computed_tokens": computed, "picrag_reused_tokens": prompt - computed}
-    return json.dumps({"text": "x", "meta_info": meta}).encode()
+        details.update(picrag_computed_tokens=computed, picrag_reused_tokens=prompt - computed)
+    meta = {"prompt_tokens": prompt, "cached_tokens_details": details}
+    return json.dumps({"text": "x", "output_ids": [token], "meta_info": meta}).encode()
 
 
 class FakePipeline:
-    """`full` answers token 5 with FULL_TOP; any other policy token 7 with PROBE; a gate
+    """`full` answers token 5 with FULL; any other policy token 7 with PROBE; a gate
     holds every request until released, to test the concurrency cap."""
 
     def __init__(self, status: int = 200):
@@ -67,10 +68,10 @@ class FakePipeline:
 
     async def generate(self, input_ids, link, fields):
         await self.gate.wait()
-        self.calls.append((link.policy, dict(fields)))
+        self.calls.append((link, dict(fields)))
         if link.policy == "full":
-            return _Linked(_Response(self.status), _answer(5, "output_top_logprobs", FULL_TOP, len(input_ids)))
-        return _Linked(_Response(self.status), _answer(7, "output_token_ids_logprobs", PROBE, len(input_ids), 12))
+            return _Linked(_Response(self.status), _answer(5, FULL, len(input_ids)))
+        return _Linked(_Response(self.status), _answer(7, PROBE, len(input_ids), 12))
 
 
 def _sampler(rate=1.0, status=200, **settings):
@@ -81,21 +82,21 @@ def _sampler(rate=1.0, status=200, **settings):
 
 def test_a_shadow_pair_records_kl_agreement_and_its_cost():
     async def run():
-        sampler, pipeline, record = _sampler(top_logprobs=7)
+        sampler, pipeline, record = _sampler()
         link = LinkRequest.of("legolink:4", CHUNKS)
         assert sampler.offer(PROMPT, link, in_flight=0)
         await sampler.drain()
         return pipeline, record
 
     pipeline, record = asyncio.run(run())
-    (full_policy, full), (probe_policy, probe) = pipeline.calls
-    assert (full_policy, probe_policy) == ("full", "legolink")
-    assert full["sampling_params"] == {"max_new_tokens": 1, "temperature": 0.0} and full["top_logprobs_num"] == 7
-    assert full["return_logprob"] and not full["stream"] and probe["token_ids_logprob"] == [5, 7]
-    assert record.observed("legolink:4", "<512") == (1, pytest.approx(0.3 * math.log(2)))
+    (full_link, full), (probe_link, probe) = pipeline.calls
+    assert (full_link.policy, probe_link.policy) == ("full", "legolink") and probe_link.k == 4
+    assert full_link.report_first_token and probe_link.report_first_token
+    assert full == probe == {"sampling_params": {"max_new_tokens": 1, "temperature": 0.0}, "stream": False}
+    assert record.observed("legolink:4", "<512") == (1, pytest.approx(PAIR_KL))
     view = record.as_json()
     cell = view["policies"]["legolink:4"]["<512"]
-    assert cell["all_time"] == cell["recent"] == {"count": 1, "mean_kl": pytest.approx(0.3 * math.log(2)),
+    assert cell["all_time"] == cell["recent"] == {"count": 1, "mean_kl": pytest.approx(PAIR_KL),
                                                    "agreement_rate": 0.0}
     # full computes the whole prompt; the policy side what the engine reports it computed.
     assert view["shadow_cost"] == {"sent": 1, "prefilled_tokens": 100 + 12, "skipped_capacity": 0, "failed": 0}
@@ -170,8 +171,9 @@ def test_recent_window_and_metrics():
 
 
 def test_first_token_reads_sglang_answers():
-    parsed = first_token(_answer(7, "output_token_ids_logprobs", PROBE, 50, 9))
-    assert (parsed.token, parsed.logprobs, parsed.computed_tokens) == (7, PROBE, 9)
+    parsed = first_token(_answer(7, PROBE, 50, 9))
+    assert (parsed.token, parsed.computed_tokens) == (7, 9)
+    assert np.allclose(parsed.logprobs, PROBE, atol=1e-6)
     assert policy_name(LinkRequest.of("legolink", CHUNKS)) == "legolink:16"
     assert policy_name(LinkRequest.of("cacheblend:0.3", CHUNKS)) == "cacheblend:0.3"
 

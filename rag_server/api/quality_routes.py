@@ -18,7 +18,7 @@ router = APIRouter(tags=["quality"])
 @router.get("/picrag/quality")
 async def quality(request: Request) -> dict[str, Any]:
     """Per policy and prompt-size bucket, all-time and recent: shadow samples, mean first-token KL
-    to full (a lower bound) and agreement; the shadow cost; `auto`'s target and table."""
+    to full (exact) and agreement; the shadow cost; `auto`'s target and table."""
     control = frontend(request).rag.quality
     auto = control.auto
     return {

@@ -1,18 +1,16 @@
-"""First-token quality of a reuse policy against `full`: the KL bound, prompt-size buckets, and the
-running record that shadow sampling fills (rag_server/service/shadow.py) and the `auto` policy
-reads (rag_server/service/auto_policy.py).
+"""First-token quality of a reuse policy against `full`: prompt-size buckets, and the running record
+that shadow sampling fills (rag_server/service/shadow.py) and the `auto` policy reads
+(rag_server/service/auto_policy.py).
 
-KL(full || policy) is computed over full's top-k first-token ids plus one bucket for every other
-token: both distributions are coarsened the same way, so by the data-processing inequality this
-is a lower bound of the exact KL. Agreement: both pick the same greedy first token.
+A sample's KL(full || policy) is exact over the whole vocabulary
+(sglang_patches.first_token_report.exact_kl). Agreement: both pick the same greedy first token.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -34,24 +32,6 @@ def size_bucket(prompt_tokens: int, bounds: Sequence[int] = BUCKET_BOUNDS) -> st
         if prompt_tokens < bound:
             return label
     return labels[-1]
-
-
-def first_token_kl(reference: Mapping[int, float], probe: Mapping[int, float]) -> Optional[float]:
-    """KL(full || policy) over full's top-k token ids (`reference`: id -> logprob) plus one
-    bucket for all other tokens; `probe` holds the policy's logprobs of those same ids. None
-    when the probe does not cover exactly the reference's ids."""
-    if not reference or set(probe) != set(reference):
-        return None
-    kl, p_top, q_top = 0.0, 0.0, 0.0
-    for token, log_p in reference.items():
-        p, log_q = math.exp(log_p), probe[token]
-        kl += p * (log_p - log_q)
-        p_top += p
-        q_top += math.exp(log_q)
-    p_rest, q_rest = 1.0 - p_top, 1.0 - q_top
-    if p_rest > 1e-9:
-        kl += p_rest * math.log(p_rest / max(q_rest, 1e-12))
-    return max(kl, 0.0)
 
 
 @dataclass(frozen=True)

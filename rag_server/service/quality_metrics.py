@@ -2,7 +2,7 @@
 `/metrics` passes through unchanged on the same port).
 
 - `picrag_shadow_first_token_kl` (histogram; labels policy, bucket): first-token KL(full || policy)
-  of each shadow sample, a lower bound (top-k plus an "other" bucket);
+  of each shadow sample, exact over the whole vocabulary;
 - `picrag_shadow_first_token_agreements_total` (labels policy, bucket): samples whose greedy
   first token equals full's (divide by the histogram's `_count` for the agreement rate);
 - `picrag_shadow_requests_total`, `picrag_shadow_prefilled_tokens_total`,
@@ -40,7 +40,7 @@ class QualityMetrics:
     def __init__(self, record: QualityRecord):
         self.registry = CollectorRegistry()
         self.kl = Histogram("picrag_shadow_first_token_kl", "first-token KL(full || policy) of shadow samples "
-                            "(lower bound: full's top-k ids plus an 'other' bucket)", ["policy", "bucket"],
+                            "(exact, over the whole vocabulary)", ["policy", "bucket"],
                             buckets=KL_BUCKETS, registry=self.registry)
         self.agreements = Counter("picrag_shadow_first_token_agreements", "shadow samples whose greedy first "
                                   "token equals full's", ["policy", "bucket"], registry=self.registry)

@@ -2,10 +2,10 @@
 one token, in the background, to measure the policy's first-token quality on live traffic.
 
 After the user's answer has ended, a fraction `rate` of the requests whose policy reuses chunks
-(`/rag/query`, chat, and linked `/generate`) gets a shadow pair: `full` for one greedy token with its top-k first-token logprobs, then the
-user's own link (same prompt, same policy) for one token with its logprobs of exactly those k ids
-(SGLang's `token_ids_logprob`). Their first-token KL and agreement go to the QualityRecord
-(rag_server/service/first_token_quality.py). Nothing of this touches the user's request: the
+(`/rag/query`, chat, and linked `/generate`) gets a shadow pair: `full` for one greedy token, then
+the user's own link (same prompt, same policy) for one token, each with its first token's
+log-probabilities over the whole vocabulary (sglang_patches.first_token_report). Their exact
+first-token KL and agreement go to the QualityRecord (rag_server/service/first_token_quality.py). Nothing of this touches the user's request: the
 shadow starts once the answer is complete, runs as its own requests, and its failures are only
 counted.
 
@@ -20,15 +20,19 @@ cost of a pair (the policy side computes only what the policy computes); both ar
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
+
+import numpy as np
 
 from rag_server.linking.pipeline import GenerationError, LinkPipeline
-from rag_server.service.first_token_quality import QualityRecord, Sample, first_token_kl
+from rag_server.service.first_token_quality import QualityRecord, Sample
+from sglang_patches.first_token_report import META_KEY, decode, exact_kl
 from sglang_patches.link_hints import LinkRequest
 
 logger = logging.getLogger(__name__)
@@ -36,7 +40,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_SHADOW_RATE = 0.02
 DEFAULT_MAX_CONCURRENT = 1
 DEFAULT_BUSY_REQUESTS = 2
-DEFAULT_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -46,33 +49,32 @@ class ShadowSettings:
     rate: float = 0.0
     max_concurrent: int = DEFAULT_MAX_CONCURRENT  # shadow pairs running at once
     busy_requests: int = DEFAULT_BUSY_REQUESTS  # no shadow starts while more RAG requests run
-    top_logprobs: int = DEFAULT_TOP_LOGPROBS  # k of the KL bound
 
     def __post_init__(self):
         if not 0.0 <= self.rate <= 1.0:
             raise ValueError(f"shadow rate must be within [0, 1], not {self.rate}")
-        if self.max_concurrent < 1 or self.busy_requests < 0 or self.top_logprobs < 1:
+        if self.max_concurrent < 1 or self.busy_requests < 0:
             raise ValueError(f"bad shadow settings: {self}")
 
 
 @dataclass(frozen=True)
 class FirstToken:
     token: int  # the greedy first token
-    logprobs: dict[int, float]  # asked ids (top-k or the probe's) -> logprob
+    logprobs: np.ndarray  # its distribution over the whole vocabulary
     computed_tokens: int  # prompt tokens the runtime computed
 
 
 def first_token(body: bytes) -> FirstToken:
-    """The first output position of a non-streamed /generate answer asked with return_logprob."""
+    """The first token of a non-streamed /generate answer to a link asked with
+    `report_first_token`."""
     data = json.loads(body)
-    meta = (data[0] if isinstance(data, list) else data)["meta_info"]
-    key = "output_top_logprobs" if meta.get("output_top_logprobs") else "output_token_ids_logprobs"
+    out = data[0] if isinstance(data, list) else data
+    meta = out["meta_info"]
     details = meta.get("cached_tokens_details") or {}
     prompt_tokens = int(meta.get("prompt_tokens", 0))
     reused = int(details.get("picrag_reused_tokens", meta.get("cached_tokens", 0)))
     return FirstToken(
-        token=int(meta["output_token_logprobs"][0][1]),
-        logprobs={int(entry[1]): float(entry[0]) for entry in meta[key][0]},
+        token=int(out["output_ids"][0]), logprobs=decode(details[META_KEY]),
         computed_tokens=int(details.get("picrag_computed_tokens", prompt_tokens - reused)),
     )
 
@@ -129,26 +131,20 @@ class ShadowSampler:
         cost = self.record.cost
         cost.sent += 1
         try:
-            full = await self._one_token(input_ids, LinkRequest.of("full", link.chunks),
-                                         {"top_logprobs_num": self.settings.top_logprobs})
+            full = await self._one_token(input_ids, LinkRequest.of("full", link.chunks))
             cost.prefilled_tokens += full.computed_tokens
-            probe = await self._one_token(input_ids, link, {"token_ids_logprob": list(full.logprobs)})
+            probe = await self._one_token(input_ids, link)
             cost.prefilled_tokens += probe.computed_tokens
+            kl = exact_kl(full.logprobs, probe.logprobs)
         except (GenerationError, ValueError, KeyError, IndexError, TypeError) as exc:
             cost.failed += 1
             logger.warning("shadow sample of %s failed: %s", policy, exc)
             return
-        kl = first_token_kl(full.logprobs, probe.logprobs)
-        if kl is None:
-            cost.failed += 1
-            logger.warning("shadow sample of %s: the probe did not return full's top-k ids", policy)
-            return
         self.record.add(Sample(policy, len(input_ids), kl, probe.token == full.token))
 
-    async def _one_token(self, input_ids: list[int], link: LinkRequest, logprob_fields: dict[str, Any]) -> FirstToken:
-        fields = {"sampling_params": {"max_new_tokens": 1, "temperature": 0.0}, "stream": False,
-                  "return_logprob": True, "logprob_start_len": -1, **logprob_fields}
-        linked = await self.pipeline.generate(input_ids, link, fields)
+    async def _one_token(self, input_ids: list[int], link: LinkRequest) -> FirstToken:
+        fields = {"sampling_params": {"max_new_tokens": 1, "temperature": 0.0}, "stream": False}
+        linked = await self.pipeline.generate(input_ids, dataclasses.replace(link, report_first_token=True), fields)
         if linked.response.status_code != 200:
             raise GenerationError(f"runtime answered {linked.response.status_code}: "
                                   f"{linked.head[:300].decode(errors='replace')}")
