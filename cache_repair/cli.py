@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="repair_command", metavar="COMMAND", required=True)
 
-    from cache_repair.groups import GroupShape
+    from cache_repair.groups import DISTRACTORS, GroupShape
 
     shape = GroupShape()
     pairs = commands.add_parser(
@@ -58,7 +58,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     pairs.add_argument("--max-passages", type=_positive_int, default=shape.max_passages,
                        help=f"serving: most passages per group (default {shape.max_passages})")
     pairs.add_argument("--passage-reuse", type=_positive_int, default=shape.reuse,
-                       help=f"serving: groups each passage appears in, on average (default {shape.reuse})")
+                       help=f"serving: groups each passage appears in, on average, with random distractors "
+                       f"(default {shape.reuse})")
+    pairs.add_argument("--distractors", choices=DISTRACTORS, default=shape.distractors,
+                       help="serving: the passages beside the gold one: 'retrieved' (the ones most similar to "
+                       "the question, embedded by the retriever's model, as a retriever returns them) or "
+                       f"'random' (any other question's) (default {shape.distractors})")
     pairs.add_argument("--max-disk-gb", type=float, default=DEFAULT_MAX_DISK_GB,
                        help=f"serving: refuse a plan whose pairs need more (default {DEFAULT_MAX_DISK_GB:g})")
     pairs.add_argument("--data", type=Path, default=None, metavar="FILE.jsonl",
@@ -157,7 +162,7 @@ def _guarded(name: str, handler: Handler) -> Handler:
 
 
 def _pairs(args: argparse.Namespace) -> int:
-    from cache_repair.groups import GroupShape
+    from cache_repair.groups import DISTRACTORS, GroupShape
     from cache_repair.pairs import DEFAULT_DATA, generate_pairs
     from cache_repair.serving_pairs import generate_serving_pairs
     from sglang_patches.model_store import resolve_model
@@ -170,7 +175,7 @@ def _pairs(args: argparse.Namespace) -> int:
         generate_pairs(args.out, model_dir, groups, val_groups, args.seed, max_tokens, data)
     else:
         shape = GroupShape(min_passages=args.min_passages, max_passages=args.max_passages, max_tokens=max_tokens,
-                           reuse=args.passage_reuse)
+                           reuse=args.passage_reuse, distractors=args.distractors)
         generate_serving_pairs(args.out, model_dir, groups, val_groups, args.seed, shape, args.max_disk_gb, data)
     return 0
 

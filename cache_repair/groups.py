@@ -4,7 +4,10 @@ A group is one request as the server would build it: `[head][passage 1]...[passa
 + tail]` with k drawn from [min_passages, max_passages]. Every group is built around one NQ row
 whose gold passage is in the group at a random place, so the question is a real one the
 passages can answer; the other passages are gold passages of other rows, acting as the
-distractors retrieval returns. Each passage has one fixed length cap for the whole plan (a
+distractors retrieval returns. With `distractors="retrieved"` they are what retrieval would
+return: the passages most similar to the question (sentence embeddings, the retriever's model),
+so, as in the dev sets' distractor settings, they are on the question's topic and attend to one
+another the way served passages do; with `"random"` they are any other rows' passages. Each passage has one fixed length cap for the whole plan (a
 chunk's tokens, and so its stale KV, are the same in every request that uses it, as in the
 chunk store); about half of them are cut shorter than the chunker's limit, so chunk lengths
 vary the way retrieved chunks do. Passages recur in about `reuse` groups, in different company
@@ -21,9 +24,12 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from retrieval.prompt_layout import PromptPassage
 
 SPLITS = ("train", "val")
+DISTRACTORS = ("random", "retrieved")
 
 
 class GroupsError(ValueError):
@@ -44,9 +50,12 @@ class GroupShape:
     max_tokens: int = 192  # the chunker's default limit (retrieval.chunking)
     min_tokens: int = 32
     cut_share: float = 0.5  # passages cut to a random length in [min_tokens, max_tokens]
-    reuse: int = 3  # groups each passage appears in, on average
+    reuse: int = 3  # groups each passage appears in, on average ("random" distractors)
+    distractors: str = "random"  # or "retrieved": the passages most similar to the question
 
     def __post_init__(self) -> None:
+        if self.distractors not in DISTRACTORS:
+            raise GroupsError(f"distractors must be one of {', '.join(DISTRACTORS)}, not {self.distractors!r}")
         if not 1 <= self.min_passages <= self.max_passages:
             raise GroupsError(f"passages per group: need 1 <= {self.min_passages} <= {self.max_passages}")
         if not 1 <= self.min_tokens <= self.max_tokens:
@@ -100,7 +109,24 @@ def read_qa_rows(path: Path) -> list[QARow]:
     return list(rows.values())
 
 
-def plan_groups(rows: int, groups: int, val_groups: int, shape: GroupShape, seed: int) -> GroupPlan:
+def retrieval_similarity(rows: list[QARow], embedder) -> np.ndarray:
+    """`[q, p]`: the cosine similarity of row q's question to row p's passage, as the server's
+    retriever (retrieval.embedder.Embedder) embeds them."""
+    from retrieval.prompt_layout import passage_text
+
+    passages = embedder.embed_documents([passage_text(row.passage) for row in rows], progress=True)
+    questions = embedder.embed_queries([row.question for row in rows])
+    return questions @ passages.T
+
+
+def plan_groups(rows: int, groups: int, val_groups: int, shape: GroupShape, seed: int,
+                similarity: np.ndarray | None = None) -> GroupPlan:
+    """`similarity[q, p]`: how well row p's passage answers row q's question as retrieval scores
+    it; needed for "retrieved" distractors."""
+    if shape.distractors == "retrieved":
+        if similarity is None or similarity.shape != (rows, rows):
+            raise GroupsError(f"retrieved distractors need a {rows} x {rows} question-passage similarity")
+        return _plan_retrieved(rows, groups, val_groups, shape, seed, similarity)
     rng = random.Random(seed)
     order = list(range(rows))
     rng.shuffle(order)
@@ -137,4 +163,36 @@ def plan_groups(rows: int, groups: int, val_groups: int, shape: GroupShape, seed
             passages = [question, *others]
             rng.shuffle(passages)
             plan[split].append(Group(question, tuple(passages)))
+    return GroupPlan(caps, {split: plan[split] for split in SPLITS})
+
+
+def _plan_retrieved(rows: int, groups: int, val_groups: int, shape: GroupShape, seed: int,
+                    similarity: np.ndarray) -> GroupPlan:
+    """Each group: a question, its gold passage and the passages of its split most similar to the
+    question. The rows are split between validation and training in proportion to their groups,
+    so each split retrieves from a pool as large as it can be; passages recur as often as they
+    are retrieved."""
+    rng = random.Random(seed)
+    order = list(range(rows))
+    rng.shuffle(order)
+    val_rows = max(shape.max_passages, round(rows * val_groups / (groups + val_groups)))
+    pools = {"val": order[:val_rows], "train": order[val_rows:]}
+    caps: dict[int, int] = {}
+    plan: dict[str, list[Group]] = {}
+    for split, count in (("val", val_groups), ("train", groups)):
+        pool = pools[split]
+        if len(pool) < max(count, shape.max_passages):
+            raise GroupsError(f"{rows} distinct passages are too few for {groups} + {val_groups} groups")
+        plan[split] = []
+        for question in rng.sample(pool, count):
+            size = rng.randint(shape.min_passages, shape.max_passages)
+            ranked = sorted((row for row in pool if row != question), key=lambda row: -similarity[question, row])
+            passages = [question, *ranked[: size - 1]]
+            rng.shuffle(passages)
+            plan[split].append(Group(question, tuple(passages)))
+            caps[question] = shape.max_tokens
+    questions = set(caps)
+    for row in sorted({row for groups_ in plan.values() for g in groups_ for row in g.passages} - questions):
+        cut = rng.random() < shape.cut_share
+        caps[row] = rng.randint(shape.min_tokens, shape.max_tokens) if cut else shape.max_tokens
     return GroupPlan(caps, {split: plan[split] for split in SPLITS})

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from cache_repair.groups import SPLITS, GroupPlan, GroupShape, QARow, plan_groups, read_qa_rows
+from cache_repair.groups import (SPLITS, GroupPlan, GroupShape, QARow, plan_groups, read_qa_rows,
+                                 retrieval_similarity)
 from cache_repair.pairs import (
     DEFAULT_DATA,
     MANIFEST_FILE,
@@ -114,7 +115,12 @@ def generate_serving_pairs(
     `maker`: an already loaded PairMaker for `model_dir` (one is loaded otherwise)."""
     out = Path(out)
     rows = read_qa_rows(data)
-    plan = plan_groups(len(rows), groups, val_groups, shape, seed)
+    similarity = None
+    if shape.distractors == "retrieved":
+        from retrieval.embedder import Embedder
+
+        similarity = retrieval_similarity(rows, Embedder())
+    plan = plan_groups(len(rows), groups, val_groups, shape, seed, similarity)
     fingerprint = model_fingerprint(model_dir, torch.float32)
     # The data file by name: the same run resumed from another checkout must match. "groups"
     # holds one entry per group and split, as in every pairs manifest (`shard_paths`).

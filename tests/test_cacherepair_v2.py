@@ -11,6 +11,7 @@ import shutil
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import numpy as np
 import pytest
 import torch
 
@@ -106,6 +107,29 @@ def test_plan_counts_questions_and_disjoint_splits(rows, shared_qa):
     # Never a development passage.
     used = plan.rows("train") | plan.rows("val")
     assert not {rows[r].passage.text.strip() for r in used} & dev_passage_texts(shared_qa)
+
+
+def test_retrieved_distractors_are_the_passages_most_similar_to_the_question():
+    rows, shape = 60, GroupShape(min_passages=4, max_passages=6, distractors="retrieved")
+    # Rows fall into 6 topics of 10; a question is most similar to its own topic's passages.
+    topic = np.arange(rows) // 10
+    similarity = (topic[:, None] == topic[None, :]).astype(float) + np.random.default_rng(0).random((rows, rows)) / 10
+    plan = plan_groups(rows, groups=8, val_groups=2, shape=shape, seed=3, similarity=similarity)
+    assert not plan.rows("train") & plan.rows("val")
+    for split in ("train", "val"):
+        pool = {r for g in plan.groups[split] for r in g.passages}
+        for group in plan.groups[split]:
+            assert group.question in group.passages and shape.min_passages <= len(group.passages) <= 6
+            others = [r for r in group.passages if r != group.question]
+            # Nothing left out of the group is closer to the question than what is in it.
+            assert min(similarity[group.question, others]) >= max(
+                (similarity[group.question, r] for r in pool - set(group.passages)), default=-1)
+    assert set(plan.caps) == plan.rows("train") | plan.rows("val")  # only passages used get a cap
+    assert plan_groups(rows, 8, 2, shape, 3, similarity).to_dict() == plan.to_dict()
+    with pytest.raises(GroupsError, match="similarity"):
+        plan_groups(rows, 8, 2, shape, 3)
+    with pytest.raises(GroupsError, match="distractors"):
+        GroupShape(distractors="nearby")
 
 
 def test_dev_files_and_oversized_plans_are_refused(rows, shared_qa):
