@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rag_server.bench.common import parse_policies
+from rag_server.bench.common import parse_policies, read_rows, with_unrelated_distractors
 from rag_server.bench.load import LoadOptions, run_load
 from rag_server.bench.quality import QualityOptions, run_quality
 from sglang_patches.model_store import PRESETS, ModelStoreError
@@ -23,6 +23,17 @@ def test_unknown_policies_are_reported_not_dropped():
     assert "unknown policy 'bogus'" in choices["bogus"].reason
     assert "0 <= R <= 1" in parse_policies("cacheblend:2")[0].reason
     assert "whole number" in parse_policies("legolink:x")[0].reason
+
+
+def test_unrelated_distractors_keep_the_supporting_passages_in_place(shared_qa: Path):
+    rows = read_rows(shared_qa / "hotpotqa.dev.jsonl", 6, None)
+    mixed = with_unrelated_distractors(rows)
+    assert with_unrelated_distractors(rows) == mixed  # seeded
+    for index, (row, new) in enumerate(zip(rows, mixed)):
+        assert new.question == row.question and len(new.passages) == len(row.passages) and any(row.supporting)
+        others = {p for j, other in enumerate(rows) if j != index for p in other.passages}
+        for old, passage, supporting in zip(row.passages, new.passages, row.supporting):
+            assert passage == old if supporting else passage in others
 
 
 def test_split_gguf_is_assembled_in_order_and_hash_checked(tmp_path, monkeypatch):

@@ -116,6 +116,21 @@ class QARow:
     question: str
     answers: list[str]
     passages: list[PromptPassage]
+    supporting: list[bool] = field(default_factory=list)  # per passage: the dataset marks it supporting
+
+
+def with_unrelated_distractors(rows: list[QARow], seed: int = 0) -> list[QARow]:
+    """The same questions with every passage the dataset does not mark supporting replaced, in
+    place, by a passage of another question (seeded): distractors off the question's topic, where
+    the dev sets' own are on it."""
+    rng = random.Random(seed)
+    replaced = []
+    for index, row in enumerate(rows):
+        others = [p for j, other in enumerate(rows) if j != index for p in other.passages]
+        passages = [p if keep else rng.choice(others)
+                    for p, keep in zip(row.passages, row.supporting or [False] * len(row.passages))]
+        replaced.append(QARow(row.id, row.question, row.answers, passages, row.supporting))
+    return replaced
 
 
 def add_dataset_arguments(parser) -> None:
@@ -134,12 +149,13 @@ def read_rows(path: Path, limit: int | None, max_passages: int | None) -> list[Q
             if not line.strip():
                 continue
             row = json.loads(line)
-            passages = [PromptPassage(p.get("title", ""), p["text"]) for p in row.get("passages") or []]
-            if not passages:
+            records = row.get("passages") or []
+            if not records:
                 raise BenchError(f"{path}: row {row.get('id')} has no passages (the benchmark needs inline passages)")
-            if max_passages is not None:
-                passages = passages[:max_passages]
-            rows.append(QARow(str(row["id"]), row["question"], list(row.get("answers") or []), passages))
+            records = records[:max_passages] if max_passages is not None else records
+            rows.append(QARow(str(row["id"]), row["question"], list(row.get("answers") or []),
+                              [PromptPassage(p.get("title", ""), p["text"]) for p in records],
+                              [bool(p.get("is_supporting")) for p in records]))
     if not rows:
         raise BenchError(f"{path}: no questions")
     return rows

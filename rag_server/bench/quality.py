@@ -47,6 +47,7 @@ from rag_server.bench.common import (
     server,
     unavailable_entries,
     warm_chunks,
+    with_unrelated_distractors,
 )
 from rag_server.bench.scoring import score_answer
 from rag_server.launch.repair_checkpoint import SHIPPED_DIR
@@ -72,6 +73,7 @@ class QualityOptions:
     port: int = 8031
     command: str = ""
     write_calibration: Path | None = None  # also write `auto`'s calibration table here
+    unrelated_distractors: bool = False  # replace non-supporting passages by other questions'
 
 
 @dataclass
@@ -215,6 +217,8 @@ def run_quality(options: QualityOptions, progress: bool = True) -> dict[str, Any
     runnable = [REFERENCE] + [c.name for c in choices if c.available and c.name != REFERENCE]
     unavailable = unavailable_entries(choices)
     rows = read_rows(options.dataset, options.limit, options.max_passages)
+    if options.unrelated_distractors:
+        rows = with_unrelated_distractors(rows)
     options.out.mkdir(parents=True, exist_ok=True)
 
     with server(options.url, options.model, options.port, options.out / "server.log") as url:
@@ -249,7 +253,8 @@ def run_quality(options: QualityOptions, progress: bool = True) -> dict[str, Any
         "passages_per_question": statistics.fmean(len(r.passages) for r in rows),
         "model": str(model_dir),
         "machine": machine_description(),
-        "settings": {"max_tokens": options.max_tokens, "greedy": True, "max_passages": options.max_passages},
+        "settings": {"max_tokens": options.max_tokens, "greedy": True, "max_passages": options.max_passages,
+                     "distractors": "unrelated" if options.unrelated_distractors else "dataset"},
         "method": {
             "ttft": "client wall time to the first streamed token through the frontend's /generate "
                     "(chunk compile round trips included)",
@@ -287,6 +292,10 @@ def register(commands) -> None:
                          help="comma-separated; unknown ones, and ones the server refuses, are reported as unavailable")
     quality.add_argument("--limit", type=int, default=10, help="first N questions (default 10)")
     quality.add_argument("--max-tokens", type=int, default=32, help="new tokens per answer (default 32)")
+    quality.add_argument("--distractors", choices=("dataset", "unrelated"), default="dataset",
+                         help="'unrelated': replace every passage the dataset does not mark supporting by a "
+                         "passage of another question (seeded), to see what on-topic distractors cost a "
+                         "policy (default: the dataset's own)")
     quality.add_argument("--write-calibration", type=Path, default=None, metavar="FILE",
                          help="also write the `auto` policy's calibration table (mean KL per policy and "
                          "prompt size, policies by speed-up) for `picrag serve --calibration FILE`")
@@ -300,7 +309,7 @@ def _main(args) -> int:
         dataset=args.dataset, policies=args.policies, out=args.out, limit=args.limit,
         max_passages=args.max_passages, max_tokens=args.max_tokens,
         url=args.url, model=args.model, port=args.port, command=command_line(),
-        write_calibration=args.write_calibration,
+        write_calibration=args.write_calibration, unrelated_distractors=args.distractors == "unrelated",
     )
     report = run_quality(options)
     print((options.out / "results.md").read_text())
