@@ -91,7 +91,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from sglang_patches.repair.checkpoint import RepairCheckpointError
     from rag_server.linking.policy_availability import default_policy, unavailable_policies
-    from rag_server.service.rag_service import DEFAULT_POLICY
+    from rag_server.service.rag_service import DEFAULT_POLICIES
     from rag_server.launch.repair_checkpoint import choose_repair_checkpoint
     from rag_server.service.quality import QualitySettings
     from rag_server.service.rag_service import NamedPolicy
@@ -130,7 +130,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
 
     unavailable = unavailable_policies(runtime.config.attention_backend, repair_unavailable)
-    policy = default_policy(args.default_policy, DEFAULT_POLICY, unavailable)
+    policy = default_policy(args.default_policy, DEFAULT_POLICIES, unavailable)
     family = NamedPolicy.parse(policy).family.name
     if family in unavailable:
         print(f"picrag serve: error: --default-policy {policy} is unavailable: "
@@ -319,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="index only the default corpus's first N passages (a faster first start)")
     serve.add_argument("--default-policy", default=None, type=_policy_name,
                        help="link policy of requests that name none (default "
-                       f"{DEFAULT_POLICY}, or naive where the attention backend cannot mask by position): "
+                       f"{DEFAULT_POLICY}; without a CacheRepair checkpoint for the model legolink, and naive "
+                       "where the attention backend cannot mask by position): "
                        + "; ".join(f"{f.syntax}: {f.summary}" for f in POLICY_FAMILIES.values())
                        + "; auto: per request, the cheapest policy within --quality-target")
     serve.add_argument("--api-key", default=None, metavar="KEY",

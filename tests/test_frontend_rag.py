@@ -10,6 +10,7 @@ import pytest
 
 from retrieval.prompt_layout import PromptLayout, PromptPassage
 from rag_server.api.rag_api import MAX_BODY_BYTES, MAX_DOCUMENTS, MAX_QUESTION_CHARS
+from rag_server.service.rag_service import DEFAULT_POLICY
 from retrieval.passage import passage_id
 from sglang_patches.link_hints import link_hints
 
@@ -72,8 +73,9 @@ def test_reuse_counters_full_versus_naive(client, layout):
     assert 0 < timings["compile_ms"] <= timings["ttft_ms"] <= timings["total_ms"]
 
 
-def test_default_policy_is_legolink(client):
-    assert rag_query(client, question="Where is Big Ben?", documents=DOCUMENTS)["policy"] == "legolink"
+def test_default_policy_is_cacherepair(client):
+    assert DEFAULT_POLICY == "cacherepair"
+    assert rag_query(client, question="Where is Big Ben?", documents=DOCUMENTS)["policy"] == DEFAULT_POLICY
 
 
 def test_streaming_sends_tokens_then_a_final_event_equal_to_the_plain_answer(client):

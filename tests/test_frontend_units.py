@@ -196,9 +196,11 @@ def test_position_masked_policies_need_a_picrag_attention_backend():
     on_gpu = unavailable_policies("flashinfer", "no checkpoint")
     assert set(on_gpu) == {"legolink", "cacheblend", "cacherepair", "cacherepair+legolink"}
     assert "'flashinfer'" in on_gpu["legolink"] and "no checkpoint" in on_gpu["cacherepair+legolink"]
-    assert default_policy(None, "legolink", on_gpu) == "naive"
-    assert default_policy(None, "legolink", {}) == "legolink"
-    assert default_policy("full", "legolink", on_gpu) == "full"
+    chain = ("cacherepair", "legolink", "naive")
+    assert default_policy(None, chain, on_gpu) == "naive"
+    assert default_policy(None, chain, unavailable_policies("picrag_native", "no checkpoint")) == "legolink"
+    assert default_policy(None, chain, {}) == "cacherepair"
+    assert default_policy("full", chain, on_gpu) == "full"
 
 
 def test_relink_reads_chunk_misses_from_the_first_event_and_from_whole_answers():

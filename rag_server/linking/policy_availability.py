@@ -11,7 +11,7 @@ model (rag_server/launch/repair_checkpoint.py).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Optional
 
 from sglang_patches.policies import POLICY_FAMILIES, parse_policy
@@ -19,7 +19,7 @@ from sglang_patches.policies import POLICY_FAMILIES, parse_policy
 logger = logging.getLogger(__name__)
 
 POSITION_MASKED_BACKENDS = ("picrag_native", "picrag_flashinfer")
-FALLBACK_POLICY = "naive"
+
 
 
 def unavailable_policies(attention_backend: str, repair_unavailable: Optional[str]) -> dict[str, str]:
@@ -39,13 +39,14 @@ def unavailable_policies(attention_backend: str, repair_unavailable: Optional[st
     return unavailable
 
 
-def default_policy(requested: Optional[str], built_in: str, unavailable: Mapping[str, str]) -> str:
-    """The server's default policy: `requested` (refused if unavailable), else the built-in one,
-    else FALLBACK_POLICY when the built-in one cannot run here."""
+def default_policy(requested: Optional[str], built_ins: Sequence[str], unavailable: Mapping[str, str]) -> str:
+    """The server's default policy: `requested` (refused later if unavailable), else the first
+    of `built_ins` this server can run (the last one must always run)."""
     if requested is not None:
         return requested
-    family = parse_policy(built_in).family.name
-    if family in unavailable:
-        logger.warning("default policy %s unavailable (%s): using %s", built_in, unavailable[family], FALLBACK_POLICY)
-        return FALLBACK_POLICY
-    return built_in
+    for name in built_ins:
+        family = parse_policy(name).family.name
+        if family not in unavailable:
+            return name
+        logger.warning("default policy %s unavailable here (%s)", name, unavailable[family])
+    raise ValueError(f"none of the default policies {', '.join(built_ins)} can run here")

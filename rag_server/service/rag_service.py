@@ -27,10 +27,13 @@ from sglang_patches.policies import Policy, PolicyError, PolicyFamily, parse_pol
 if TYPE_CHECKING:
     from retrieval.retriever import Retriever
 
-# The link policy when a request names none: LegoLink with k = 16 (EPIC's serving point),
-# answers close to full prefill at a fraction of its cost; "full" is one flag away
-# (picrag serve --default-policy full).
-DEFAULT_POLICY = "legolink"
+# The link policy when a request names none: CacheRepair, which on the dev sets closes more of
+# reuse's first-token KL than LegoLink (k 16) and is faster to first token, on both shipped
+# models (docs/benchmarks.md). `picrag serve` falls back along DEFAULT_POLICIES where the
+# served model has no checkpoint or the attention backend cannot mask by position; "full" is
+# one flag away (picrag serve --default-policy full).
+DEFAULT_POLICIES = ("cacherepair", "legolink", "naive")
+DEFAULT_POLICY = DEFAULT_POLICIES[0]
 DEFAULT_TOP_K = 5
 
 
