@@ -7,11 +7,14 @@ passages can answer; the other passages are gold passages of other rows, acting 
 distractors retrieval returns. With `distractors="retrieved"` they are what retrieval would
 return: the passages most similar to the question (sentence embeddings, the retriever's model),
 so, as in the dev sets' distractor settings, they are on the question's topic and attend to one
-another the way served passages do; with `"random"` they are any other rows' passages. Each passage has one fixed length cap for the whole plan (a
-chunk's tokens, and so its stale KV, are the same in every request that uses it, as in the
-chunk store); about half of them are cut shorter than the chunker's limit, so chunk lengths
-vary the way retrieved chunks do. Passages recur in about `reuse` groups, in different company
-and at different offsets, which is also how the chunk store sees them.
+another the way served passages do; with `"random"` they are any other rows' passages.
+
+Each passage has one fixed length cap for the whole plan (a chunk's tokens, and so its stale
+KV, are the same in every request that uses it, as in the chunk store); about half of them are
+cut shorter than the chunker's limit, so chunk lengths vary the way retrieved chunks do.
+Passages recur in several groups (about `reuse` with random distractors, as often as retrieval
+picks them otherwise), in different company and at different offsets, which is also how the
+chunk store sees them.
 
 Validation groups use their own rows and passages, never seen in training. The plan is plain
 data (row indices and caps), seeded, and written to the pairs manifest before any prefill.
