@@ -5,9 +5,9 @@ After the user's answer has ended, a fraction `rate` of the requests whose polic
 (`/rag/query`, chat, and linked `/generate`) gets a shadow pair: `full` for one greedy token, then
 the user's own link (same prompt, same policy) for one token, each with its first token's
 log-probabilities over the whole vocabulary (sglang_patches.first_token_report). Their exact
-first-token KL and agreement go to the QualityRecord (rag_server/service/first_token_quality.py). Nothing of this touches the user's request: the
-shadow starts once the answer is complete, runs as its own requests, and its failures are only
-counted.
+first-token KL and agreement go to the QualityRecord (rag_server/service/first_token_quality.py).
+Nothing of this touches the user's request: the shadow starts once the answer is complete, runs
+as its own requests, and its failures are only counted.
 
 Cost bound: SGLang 0.5.23 takes a request `priority`, but its scheduler ignores it unless started
 with --enable-priority-scheduling (which also changes how every other request is scheduled), so
