@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval.prompt_layout import PromptPassage
+from retrieval.prompt_layout import PromptPassage, passage_text
 
 SPLITS = ("train", "val")
 DISTRACTORS = ("random", "retrieved")
@@ -115,8 +115,6 @@ def read_qa_rows(path: Path) -> list[QARow]:
 def retrieval_similarity(rows: list[QARow], embedder) -> np.ndarray:
     """`[q, p]`: the cosine similarity of row q's question to row p's passage, as the server's
     retriever (retrieval.embedder.Embedder) embeds them."""
-    from retrieval.prompt_layout import passage_text
-
     passages = embedder.embed_documents([passage_text(row.passage) for row in rows], progress=True)
     questions = embedder.embed_queries([row.question for row in rows])
     return questions @ passages.T

@@ -44,9 +44,10 @@ def exact_kl(reference: np.ndarray, measured: np.ndarray) -> float:
 def capture(_result, _scheduler, batch_result, batch) -> None:
     from sglang_patches.chunk_cache import LINK_ATTR, STATS_ATTR
 
-    logits = getattr(batch_result.logits_output, "next_token_logits", None) \
-        if batch_result.logits_output is not None else None
-    if logits is None or not batch.forward_mode.is_extend():
+    if not batch.forward_mode.is_extend() or batch_result.logits_output is None:
+        return None
+    logits = batch_result.logits_output.next_token_logits
+    if logits is None:
         return None
     for row, req in enumerate(batch.reqs):
         link = getattr(req, LINK_ATTR, None)
