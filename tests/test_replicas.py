@@ -217,17 +217,22 @@ def test_a_passage_set_stays_on_its_replica_and_sets_spread(replicas, layout, mu
     assert len(replicas.urls) == 2
     homes = []
     with replicas.server.client() as client:
-        for row in musique[:6]:
+        # The ring is built from the workers' URLs, whose ports differ from run to run, so which
+        # replica a set lands on is known only by asking: sets are sent until both replicas have
+        # one (for an even ring, 16 sets all on one replica is a 1-in-30,000 event).
+        for row in musique[:16]:
             first, _ = _served(replicas, client, layout.build(row["question"], passages_of(row, [0, 1, 2])))
             again, _ = _served(replicas, client, layout.build(row["question"], passages_of(row, [2, 1, 0])))
             assert again == first
             homes.append(first)
+            if set(homes) == {0, 1}:
+                break
     assert set(homes) == {0, 1}, homes
 
 
 @pytest.mark.slow
 def test_a_chunk_compiled_on_one_replica_is_loaded_from_the_store_on_the_other(replicas, layout, musique):
-    prompt = layout.build(musique[10]["question"], passages_of(musique[10], [0, 1, 2]))
+    prompt = layout.build(musique[16]["question"], passages_of(musique[16], [0, 1, 2]))
     with replicas.server.client() as client:
         home, answer = _served(replicas, client, prompt)
     other = 1 - home
