@@ -116,6 +116,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                           help="default: CKPT_DIR/eval_<split>.json (required with --naive)")
     evaluate.add_argument("--model", default=None, metavar="PRESET|PATH",
                           help="default: the model folder in the pairs manifest")
+    evaluate.add_argument("--float32", action="store_true",
+                          help="run the network in float32 (default: the precision it is served in here)")
     _threads_option(evaluate)
     evaluate.set_defaults(func=_guarded("eval", _eval))
     return parser
@@ -195,9 +197,11 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    import torch
+
     from sglang_patches.repair.checkpoint import load_repairer
     from sglang_patches.repair.config import RepairConfig, read_token_embedding
-    from sglang_patches.repair.network import RepairNetwork
+    from sglang_patches.repair.network import RepairNetwork, serving_precision
     from cache_repair.pairs import pairs_model, read_manifest, shard_paths
     from cache_repair.train import answer_reader, compute_stats, evaluate
     from sglang_patches.model_store import resolve_model
@@ -213,8 +217,10 @@ def _eval(args: argparse.Namespace) -> int:
     else:
         repairer = load_repairer(args.checkpoint, read_token_embedding(model_dir), fingerprint)
         network, stats = repairer.network, repairer.stats
-    result = evaluate(network, stats, paths, answer_reader(args.pairs, model_dir))
-    print(f"{args.split}: {result.groups} groups, {result.tokens} chunk tokens, loss {result.loss:.4f}")
+    precision = torch.float32 if args.float32 else serving_precision(torch.device("cpu"))
+    result = evaluate(network, stats, paths, answer_reader(args.pairs, model_dir), precision)
+    print(f"{args.split}: {result.groups} groups, {result.tokens} chunk tokens, loss {result.loss:.4f}, "
+          f"network in {_dtype_name(precision)}")
     print("layer  K before  K after  V before  V after")
     for layer, (k, v) in enumerate(zip(result.relative_k, result.relative_v)):
         print(f"{layer:5d}  {_ratio(k, 1.0)}  {_ratio(k, k)}  {_ratio(v, 1.0)}  {_ratio(v, v)}")
@@ -224,10 +230,15 @@ def _eval(args: argparse.Namespace) -> int:
               f"greedy first token agrees on {result.first_token_agreement:.1%} of groups")
     out = args.out or Path(args.checkpoint) / f"eval_{args.split}.json"
     report = {"checkpoint": "naive" if args.naive else str(args.checkpoint), "pairs": str(args.pairs),
-              "split": args.split, "model_fingerprint": fingerprint, "before": 1.0, **result.to_dict()}
+              "split": args.split, "model_fingerprint": fingerprint, "precision": _dtype_name(precision),
+              "before": 1.0, **result.to_dict()}
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"written to {out}")
     return 0
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _ratio(reference: float | None, value: float | None) -> str:

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from sglang_patches.repair.checkpoint import save_checkpoint
 from sglang_patches.repair.config import RepairConfig, TrainOptions, read_token_embedding
-from sglang_patches.repair.network import RepairNetwork
+from sglang_patches.repair.network import RepairNetwork, in_precision
 from sglang_patches.repair.normalization import CONTEXT_FREE_RATIO, KVStats, KVStatsAccumulator
 from cache_repair.answer_loss import FrozenReader, answer_kl
 from cache_repair.pairs import Pair, pairs_model, read_manifest, shard_paths
@@ -153,8 +153,9 @@ class RelativeError:
 
 
 @torch.no_grad()
-def evaluate(network: RepairNetwork, stats: KVStats, paths: list[Path], reader: FrozenReader | None = None
-             ) -> Evaluation:
+def evaluate(network: RepairNetwork, stats: KVStats, paths: list[Path], reader: FrozenReader | None = None,
+             precision: torch.dtype = torch.float32) -> Evaluation:
+    """`precision`: what the network's products run in (serving's: network.serving_precision)."""
     was_training = network.training
     network.eval()
     errors = RelativeError(network.config.num_layers)
@@ -162,7 +163,9 @@ def evaluate(network: RepairNetwork, stats: KVStats, paths: list[Path], reader: 
     kls, agreements = [], []
     for path in paths:
         pair = Pair.load(path)
-        prediction, target = pair_outputs(network, stats, pair)
+        with in_precision(torch.device("cpu"), precision):
+            prediction, target = pair_outputs(network, stats, pair)
+        prediction = prediction.float()
         loss_sum += float(F.mse_loss(prediction, target, reduction="sum"))
         elements += target.numel()
         tokens += pair.tokens

@@ -107,6 +107,22 @@ def test_bench_load_smoke(picrag_server, shared_qa: Path, tmp_path: Path):
     assert "| naive | 2 | 0.00 | 4 |" in (out / "load.md").read_text()
 
 
+def test_bench_load_warm_up_stores_every_passage_before_the_clock(picrag_server, shared_qa: Path, tmp_path: Path):
+    out = tmp_path / "load-warm"
+    run_load(LoadOptions(
+        dataset=shared_qa / "hotpotqa.dev.jsonl", policies="naive,prefix", concurrency=(2,),
+        requests=4, out=out, max_passages=2, max_tokens=4, url=picrag_server.url, warm_up=True,
+    ), progress=False)
+    report = json.loads((out / "load.json").read_text())
+    assert report["settings"]["warm_up"] is True and "off the clock" in report["method"]
+    cells = {c["policy"]: c for c in report["cells"]}
+    assert cells["naive"]["requests"] == cells["prefix"]["requests"] == 4  # the warm-up is not counted
+    # Without the warm-up the first request compiles its passages (a store miss); with it, every
+    # compile the timed requests send finds its piece stored, or none is sent at all.
+    assert cells["naive"]["store_hit_rate"] in (1.0, None)
+    assert cells["naive"]["relinks"] == 0
+
+
 def test_the_vanilla_baseline_loads_no_sglang_plugin(tmp_path: Path):
     from importlib.metadata import entry_points
 

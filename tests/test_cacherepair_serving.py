@@ -131,3 +131,33 @@ def test_every_shipped_checkpoint_loads_on_its_converted_preset(preset):
     for name in (WEIGHTS_FILE, STATS_FILE):
         with safe_open(shipped / name, "pt") as f:
             assert f.metadata()["model_fingerprint"] == fingerprint
+
+
+def test_the_default_checkpoint_in_bfloat16_stays_within_a_percent_or_two_of_float32(default_model_dir, monkeypatch):
+    """Serving runs the network's products in bfloat16 where the CPU has them natively; forced
+    here so the comparison is made on every machine."""
+    import sglang_patches.repair.network as network_module
+    from rag_server.launch.repair_checkpoint import SHIPPED_DIR
+    from sglang_patches.model_fingerprint import model_fingerprint
+    from sglang_patches.model_store import DEFAULT_PRESET
+    from sglang_patches.repair.checkpoint import load_repairer
+    from sglang_patches.repair.config import read_token_embedding
+
+    repairer = load_repairer(SHIPPED_DIR / DEFAULT_PRESET, read_token_embedding(default_model_dir),
+                             model_fingerprint(default_model_dir, torch.float32))
+    generator = torch.Generator().manual_seed(0)
+    tokens, config = 300, repairer.config
+    shape = (tokens, config.num_layers, config.num_kv_heads, config.head_dim)
+    # Stale KV on the scale the network was trained on: unit-variance streams times their RMS.
+    stale_k = torch.randn(shape, generator=generator) * repairer.stats.stale_rms[:, :, 0]
+    stale_v = torch.randn(shape, generator=generator) * repairer.stats.stale_rms[:, :, 1]
+    token_ids = torch.randint(0, config.vocab_size, (tokens,), generator=generator)
+    chunk_ids = torch.arange(tokens) // 60
+    results = {}
+    for precision in (torch.float32, torch.bfloat16):
+        monkeypatch.setattr(network_module, "serving_precision", lambda device, p=precision: p)
+        results[precision] = repairer.residual(stale_k, stale_v, token_ids, chunk_ids)
+    for exact, fast in zip(results[torch.float32], results[torch.bfloat16]):
+        assert fast.dtype == torch.float32
+        assert exact.norm() > 0
+        assert (fast - exact).norm() / exact.norm() < 0.02

@@ -16,7 +16,10 @@ cache, its stock attention backend, no picrag plugin loaded) started by the benc
 model and KV pool size, sent the same prompts as plain /generate requests.
 
 Each (policy, concurrency) cell starts from an empty cache (`/flush_cache`) and runs the same
-request list: `concurrency` clients, each sending its next request as soon as the previous one
+request list. With `--warm-up`, every pool question is first asked once, in the dataset's
+passage order and off the clock (as a deployment compiles its corpus before serving it): chunk
+policies then start with every passage stored, `prefix` and `vanilla` with those prompts
+cached. The timed requests are the same in both cases: `concurrency` clients, each sending its next request as soon as the previous one
 finished (closed loop). Throughput is requests (and generated tokens) over the cell's wall time.
 The store hit rate, the engine's link refusals and the frontend's relinks come from the
 servers' counters, so the server must not serve other traffic during the run.
@@ -82,6 +85,7 @@ class LoadOptions:
     max_passages: int | None = None
     max_tokens: int = 16
     keep_order: bool = False
+    warm_up: bool = False  # each pool question asked once, off the clock, before each cell
     seed: int = 0
     url: str | None = None
     model: str | None = None
@@ -117,6 +121,12 @@ class Cell:
 
 def pool_size(options: LoadOptions) -> int:
     return options.pool or max(1, options.requests // 4)
+
+
+def warm_up_requests(options: LoadOptions, layout) -> list[CompiledPrompt]:
+    """Every pool question once, its passages in the dataset's order."""
+    return [layout.build(row.question, row.passages)
+            for row in read_rows(options.dataset, pool_size(options), options.max_passages)]
 
 
 def build_requests(options: LoadOptions, layout) -> list[CompiledPrompt]:
@@ -204,12 +214,16 @@ def vanilla_server(model_dir: Path, log: Path, max_total_tokens: int | None) -> 
         runtime.stop()
 
 
-def run_cells(url: str, prompts: list[CompiledPrompt], policy: str, options: LoadOptions,
-              progress: bool, shadow_rate: float | None = None) -> list[Cell]:
+def run_cells(url: str, prompts: list[CompiledPrompt], warm_up: list[CompiledPrompt], policy: str,
+              options: LoadOptions, progress: bool, shadow_rate: float | None = None) -> list[Cell]:
+    """The cells of `policy`, one per concurrency; `warm_up` is sent before each (untimed, its
+    counters not counted)."""
     cells = []
     with httpx.Client(base_url=url, timeout=60) as client:
         for concurrency in options.concurrency:
             _flush(client)
+            if warm_up:
+                run_cell(url, warm_up, policy, concurrency, 1)
             before, frontend_before = chunk_counters(client), chunk_counters(client, FRONTEND_METRICS)
             cell = run_cell(url, prompts, policy, concurrency, options.max_tokens, shadow_rate)
             after, frontend_after = chunk_counters(client), chunk_counters(client, FRONTEND_METRICS)
@@ -250,17 +264,21 @@ def run_load(options: LoadOptions, progress: bool = True) -> dict[str, Any]:
             if options.url is not None:
                 rate = httpx.get(f"{url}/picrag/quality", timeout=30).json()["shadow_settings"]["rate"]
             model_dir = model_path_of(url, options.model)
-            prompts = build_requests(options, load_layout(model_dir))
+            layout = load_layout(model_dir)
+            prompts = build_requests(options, layout)
+            warm_up = warm_up_requests(options, layout) if options.warm_up else []
             for policy in runnable:
-                cells += run_cells(url, prompts, policy, options, progress, rate)
+                cells += run_cells(url, prompts, warm_up, policy, options, progress, rate)
     if with_vanilla:
         if not runnable:
             from sglang_patches.model_store import resolve_model
 
             model_dir = resolve_model(options.model)  # None: the default preset, as `picrag serve`
-            prompts = build_requests(options, load_layout(model_dir))
+            layout = load_layout(model_dir)
+            prompts = build_requests(options, layout)
+            warm_up = warm_up_requests(options, layout) if options.warm_up else []
         with vanilla_server(model_dir, options.out / "vanilla.log", options.max_total_tokens) as url:
-            cells += run_cells(url, prompts, VANILLA, options, progress)
+            cells += run_cells(url, prompts, warm_up, VANILLA, options, progress)
     report = {
         "command": options.command,
         "dataset": str(options.dataset),
@@ -269,9 +287,12 @@ def run_load(options: LoadOptions, progress: bool = True) -> dict[str, Any]:
         "settings": {"requests": options.requests, "pool": pool_size(options),
                      "shadow_rates": list(options.shadow_rates), "max_total_tokens": options.max_total_tokens,
                      "max_passages": options.max_passages,
-                     "max_tokens": options.max_tokens, "keep_order": options.keep_order, "seed": options.seed,
+                     "max_tokens": options.max_tokens, "keep_order": options.keep_order,
+                     "warm_up": options.warm_up, "seed": options.seed,
                      "prompt_tokens_mean": statistics.fmean(len(p.input_ids) for p in prompts)},
-        "method": "closed loop; each cell starts from a flushed cache and runs the same request list",
+        "method": "closed loop; each cell starts from a flushed cache"
+                  + (", then every pool question asked once off the clock," if options.warm_up else "")
+                  + " and runs the same request list",
         "cells": [asdict(c) for c in cells],
         "unavailable": unavailable,
     }
@@ -310,6 +331,8 @@ def register(commands) -> None:
                       help="distinct questions, each asked equally often (default: requests / 4)")
     load.add_argument("--max-tokens", type=int, default=16, help="new tokens per request (default 16)")
     load.add_argument("--keep-order", action="store_true", help="do not shuffle passages per request")
+    load.add_argument("--warm-up", action="store_true",
+                      help="before each cell, ask every pool question once off the clock (a corpus compiled ahead)")
     load.add_argument("--max-total-tokens", type=int, default=None,
                       help="KV pool (tokens) of the servers started here, vanilla's too (default: picrag serve's)")
     load.add_argument("--shadow-rates", type=_rate_list, default=(0.0,), metavar="R,R,...",
@@ -324,7 +347,7 @@ def _main(args) -> int:
     options = LoadOptions(
         dataset=args.dataset, policies=args.policies, concurrency=args.concurrency, requests=args.requests,
         out=args.out, pool=args.pool, max_passages=args.max_passages, max_tokens=args.max_tokens,
-        keep_order=args.keep_order, seed=args.seed, shadow_rates=args.shadow_rates,
+        keep_order=args.keep_order, warm_up=args.warm_up, seed=args.seed, shadow_rates=args.shadow_rates,
         max_total_tokens=args.max_total_tokens, url=args.url,
         model=args.model, port=args.port, command=command_line(),
     )

@@ -110,6 +110,24 @@ class RepairNetwork(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
 
+def serving_precision(device: torch.device) -> torch.dtype:
+    """The precision the network's matrix products run in when serving: bfloat16 where the
+    device multiplies it natively (CUDA; CPUs with AVX512-BF16 or AMX), because the pass over
+    the prompt's chunk tokens is on every cacherepair request's time to first token; float32
+    elsewhere (emulated bfloat16 is slower than float32). Inputs and outputs stay float32;
+    `picrag repair eval` evaluates in this precision unless told `--float32`."""
+    if device.type == "cuda":
+        return torch.bfloat16
+    if device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def in_precision(device: torch.device, precision: torch.dtype):
+    """A context in which the network's products run in `precision` (autocast; a no-op for float32)."""
+    return torch.autocast(device.type, dtype=precision, enabled=precision != torch.float32)
+
+
 class KVRepairer:
     """A trained network with its normalisation statistics, in raw RoPE-free coordinates."""
 
@@ -139,5 +157,6 @@ class KVRepairer:
         device): repaired = stale + residual, before re-rotating K to its global positions."""
         device = self.device
         k, v = self.stats.normalise(stale_k.to(device, torch.float32), stale_v.to(device, torch.float32))
-        res_k, res_v = self.network(k, v, token_ids.to(device), chunk_ids.to(device))
-        return self.stats.denormalise_residual(res_k, res_v)
+        with in_precision(device, serving_precision(device)):
+            res_k, res_v = self.network(k, v, token_ids.to(device), chunk_ids.to(device))
+        return self.stats.denormalise_residual(res_k.float(), res_v.float())
