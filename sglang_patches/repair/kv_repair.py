@@ -70,11 +70,15 @@ def repair_spans(repairer, kv_pool, shifter, spans: list[RepairSpan]) -> int:
     if not any(span.count for span in spans):
         return 0
     layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)
-    slots = torch.cat([span.stored_slots for span in spans]).to(torch.int64)
+    first_keys = kv_pool.get_key_buffer(kv_pool.start_layer)
+    slots = torch.cat([span.stored_slots for span in spans]).to(first_keys.device, torch.int64)
     local = torch.cat([torch.arange(len(span.stored_slots)) for span in spans])
-    to_rope_free = shifter.rotation(-local, kv_pool.get_key_buffer(kv_pool.start_layer))
-    stale_k = torch.stack([shifter.rotate(kv_pool.get_key_buffer(layer)[slots], to_rope_free) for layer in layers], dim=1)
-    stale_v = torch.stack([kv_pool.get_value_buffer(layer)[slots] for layer in layers], dim=1)
+    # Whole-tensor ops over [T, L, H, D]: one rotation for all layers, not one per layer.
+    cos, sin = shifter.rotation(-local, first_keys)
+    to_rope_free = (cos.unsqueeze(1), sin.unsqueeze(1))
+    stale_k = shifter.rotate(
+        torch.stack([kv_pool.get_key_buffer(layer).index_select(0, slots) for layer in layers], dim=1), to_rope_free)
+    stale_v = torch.stack([kv_pool.get_value_buffer(layer).index_select(0, slots) for layer in layers], dim=1)
     token_ids = torch.tensor([t for span in spans for t in span.token_ids], dtype=torch.int64)
     chunk_ids = torch.cat([torch.full((len(span.stored_slots),), i, dtype=torch.int64) for i, span in enumerate(spans)])
     res_k, res_v = repairer.residual(stale_k, stale_v, token_ids, chunk_ids)
@@ -87,11 +91,16 @@ def repair_spans(repairer, kv_pool, shifter, spans: list[RepairSpan]) -> int:
             dst.append(span.new_slots.to(torch.int64))
             positions.append(torch.arange(span.position + span.first, span.position + span.first + span.count))
         start += len(span.stored_slots)
-    rows_t, dst_t = torch.cat(rows), torch.cat(dst)
-    to_positions = shifter.rotation(torch.cat(positions), res_k)
+    rows_t = torch.cat(rows).to(res_k.device)
+    dst_t = torch.cat(dst).to(first_keys.device)
+    if len(rows_t) < len(res_k):  # some tokens are context only (otherwise rows_t is every row, in order)
+        res_k, res_v = res_k.index_select(0, rows_t), res_v.index_select(0, rows_t)
+    cos, sin = shifter.rotation(torch.cat(positions), res_k)
+    rotated = shifter.rotate(res_k, (cos.unsqueeze(1), sin.unsqueeze(1))).to(first_keys.device)
+    values = res_v.to(first_keys.device)
     for index, layer in enumerate(layers):
-        k_buffer, v_buffer = kv_pool.get_key_buffer(layer), kv_pool.get_value_buffer(layer)
-        rotated = shifter.rotate(res_k[rows_t, index], to_positions).to(k_buffer.device)
-        k_buffer[dst_t] = (k_buffer[dst_t].float() + rotated.float()).to(k_buffer.dtype)
-        v_buffer[dst_t] = (v_buffer[dst_t].float() + res_v[rows_t, index].to(v_buffer.device)).to(v_buffer.dtype)
+        for buffer, residual in ((kv_pool.get_key_buffer(layer), rotated[:, index]),
+                                 (kv_pool.get_value_buffer(layer), values[:, index])):
+            repaired = buffer.index_select(0, dst_t).float() + residual.float()
+            buffer.index_copy_(0, dst_t, repaired.to(buffer.dtype))
     return len(rows_t)
