@@ -16,11 +16,11 @@ cache, its stock attention backend, no picrag plugin loaded) started by the benc
 model and KV pool size, sent the same prompts as plain /generate requests.
 
 Each (policy, concurrency) cell starts from an empty cache (`/flush_cache`) and runs the same
-request list. With `--warm-up`, every pool question is first asked once, in the dataset's
-passage order and off the clock (as a deployment compiles its corpus before serving it): chunk
-policies then start with every passage stored, `prefix` and `vanilla` with those prompts
-cached. The timed requests are the same in both cases: `concurrency` clients, each sending its next request as soon as the previous one
-finished (closed loop). Throughput is requests (and generated tokens) over the cell's wall time.
+request list: `concurrency` clients, each sending its next request as soon as the previous one
+finished (closed loop). With `--warm-up`, every pool question is first asked once, in the
+dataset's passage order and off the clock (as a deployment compiles its corpus before serving
+it): chunk policies then start with every passage stored, `prefix` and `vanilla` with those
+prompts cached; the timed requests are the same. Throughput is requests (and generated tokens) over the cell's wall time.
 The store hit rate, the engine's link refusals and the frontend's relinks come from the
 servers' counters, so the server must not serve other traffic during the run.
 """
