@@ -20,9 +20,10 @@ request list: `concurrency` clients, each sending its next request as soon as th
 finished (closed loop). With `--warm-up`, every pool question is first asked once, in the
 dataset's passage order and off the clock (as a deployment compiles its corpus before serving
 it): chunk policies then start with every passage stored, `prefix` and `vanilla` with those
-prompts cached; the timed requests are the same. Throughput is requests (and generated tokens) over the cell's wall time.
-The store hit rate, the engine's link refusals and the frontend's relinks come from the
-servers' counters, so the server must not serve other traffic during the run.
+prompts cached; the timed requests are the same. Throughput is requests (and generated
+tokens) over the cell's wall time. The store hit rate, the engine's link refusals and the
+frontend's relinks come from the servers' counters, so the server must not serve other traffic
+during the run.
 """
 
 from __future__ import annotations
