@@ -80,11 +80,14 @@ class KeyShifter:
             x1, x2 = rot[..., 0::2], rot[..., 1::2]
             rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
             return torch.cat((rotated, rest), dim=-1).to(keys.dtype)
+        x1, x2 = rot[..., :half], rot[..., half:]
+        if torch.is_grad_enabled() and (k.requires_grad or cos.requires_grad or sin.requires_grad):
+            # Training back-propagates through the rotation; writes into `out=` are not differentiable.
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1).to(keys.dtype)
         # Written into one output, half by half: no temporary per half and no concatenation
         # (fewer passes over memory, which bounds this on CPU for a request's keys over every
         # layer), with the rounding of x1 * cos - x2 * sin and x2 * cos + x1 * sin exactly.
         out = torch.empty_like(k)
-        x1, x2 = rot[..., :half], rot[..., half:]
         o1, o2 = out[..., :half], out[..., half : self.rotary_dim]
         torch.mul(x1, cos, out=o1)
         o1.sub_(x2 * sin)
