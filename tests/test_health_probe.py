@@ -93,3 +93,27 @@ def test_a_dead_runtime_is_reported_at_once():
     assert monitor.report() == (503, {"status": "starting"})
     monitor.mark_dead("its scheduler process 123 exited")
     assert monitor.report() == (503, {"status": "runtime dead", "error": "its scheduler process 123 exited"})
+
+
+def test_a_runtime_closing_idle_connections_stays_healthy():
+    """A server that drops a kept-alive connection as the next request arrives (the race when
+    its idle timeout equals the probe interval) must not read as a runtime down."""
+
+    async def scenario() -> list[bool]:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+            await writer.drain()
+            await reader.readuntil(b"\r\n\r\n")  # a second request on this connection: dropped unanswered
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        monitor = HealthMonitor(f"http://127.0.0.1:{port}", interval_s=3600)
+        await monitor.start()
+        results = [(await monitor.probe()).ok for _ in range(3)]
+        await monitor.aclose()
+        server.close()
+        return results
+
+    assert asyncio.run(scenario()) == [True, True, True]

@@ -52,9 +52,12 @@ class HealthMonitor:
 
     async def start(self) -> None:
         """One probe now (the frontend starts knowing its runtime's state), then every interval."""
+        # A fresh connection per probe: a kept-alive one idles for the whole interval, and a
+        # server that closes idle connections after about that long (uvicorn: 5 s, the default
+        # interval) can close it just as the next probe is sent, which read as the runtime down.
         self._client = httpx.AsyncClient(base_url=self._runtime_url,
                                          timeout=httpx.Timeout(self.probe_timeout_s, connect=self._connect_timeout_s),
-                                         limits=httpx.Limits(max_connections=1))
+                                         limits=httpx.Limits(max_connections=1, max_keepalive_connections=0))
         await self.probe()
         self._task = asyncio.create_task(self._probe_forever())
 
