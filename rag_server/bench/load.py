@@ -124,14 +124,11 @@ def pool_size(options: LoadOptions) -> int:
     return options.pool or max(1, options.requests // 4)
 
 
-def warm_up_requests(options: LoadOptions, layout) -> list[CompiledPrompt]:
-    """Every pool question once, its passages in the dataset's order."""
-    return [layout.build(row.question, row.passages)
-            for row in read_rows(options.dataset, pool_size(options), options.max_passages)]
-
-
-def build_requests(options: LoadOptions, layout) -> list[CompiledPrompt]:
+def build_requests(options: LoadOptions, layout) -> tuple[list[CompiledPrompt], list[CompiledPrompt]]:
+    """(the timed requests, the warm-up: with --warm-up every pool question once, its passages in
+    the dataset's order; otherwise none)."""
     rows = read_rows(options.dataset, pool_size(options), options.max_passages)
+    warm_up = [layout.build(row.question, row.passages) for row in rows] if options.warm_up else []
     rng = random.Random(options.seed)
     picks = [rows[i % len(rows)] for i in range(options.requests)]
     rng.shuffle(picks)
@@ -139,7 +136,7 @@ def build_requests(options: LoadOptions, layout) -> list[CompiledPrompt]:
     for row in picks:
         passages = row.passages if options.keep_order else shuffled(row.passages, rng)
         prompts.append(layout.build(row.question, passages))
-    return prompts
+    return prompts, warm_up
 
 
 def _flush(client: httpx.Client) -> None:
@@ -265,9 +262,7 @@ def run_load(options: LoadOptions, progress: bool = True) -> dict[str, Any]:
             if options.url is not None:
                 rate = httpx.get(f"{url}/picrag/quality", timeout=30).json()["shadow_settings"]["rate"]
             model_dir = model_path_of(url, options.model)
-            layout = load_layout(model_dir)
-            prompts = build_requests(options, layout)
-            warm_up = warm_up_requests(options, layout) if options.warm_up else []
+            prompts, warm_up = build_requests(options, load_layout(model_dir))
             for policy in runnable:
                 cells += run_cells(url, prompts, warm_up, policy, options, progress, rate)
     if with_vanilla:
@@ -275,9 +270,7 @@ def run_load(options: LoadOptions, progress: bool = True) -> dict[str, Any]:
             from sglang_patches.model_store import resolve_model
 
             model_dir = resolve_model(options.model)  # None: the default preset, as `picrag serve`
-            layout = load_layout(model_dir)
-            prompts = build_requests(options, layout)
-            warm_up = warm_up_requests(options, layout) if options.warm_up else []
+            prompts, warm_up = build_requests(options, load_layout(model_dir))
         with vanilla_server(model_dir, options.out / "vanilla.log", options.max_total_tokens) as url:
             cells += run_cells(url, prompts, warm_up, VANILLA, options, progress)
     report = {
