@@ -121,3 +121,21 @@ def test_negative_shift_inverts_a_positive_one(layer0):
     keys = rope_at(sglang_rope(config), prerope_keys(config, weights, TOKENS), 0)
     there_and_back = shifter.shift(shifter.shift(keys, 1234), -1234)
     torch.testing.assert_close(there_and_back, keys, atol=fp32_angle_tolerance(keys, 1234), rtol=0)
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_in_place_and_differentiable_neox_rotations_agree_bit_for_bit(rotary_dim):
+    # Serving writes the rotation into one output; training takes the differentiable form.
+    # Both must give the same bits, or a network trained through one is served through another.
+    head_dim = 64
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    angles = torch.arange(3000, dtype=torch.float32)[:, None] * inv_freq
+    shifter = KeyShifter(torch.cat((angles.cos(), angles.sin()), dim=-1), head_dim, rotary_dim, is_neox_style=True)
+    keys = torch.randn(11, 5, 2, head_dim, generator=torch.Generator().manual_seed(3))
+    cos, sin = shifter.rotation(torch.tensor([0, 5, -7, 2999, -1, 17, 300, -300, 1, 2, 3]), keys)
+    rotation = (cos.unsqueeze(1), sin.unsqueeze(1))
+    in_place = shifter.rotate(keys, rotation)
+    differentiable = shifter.rotate(keys.clone().requires_grad_(True), rotation)
+    assert differentiable.requires_grad
+    assert torch.equal(in_place, differentiable.detach())
+    assert torch.equal(in_place[..., rotary_dim:], keys[..., rotary_dim:])
