@@ -29,12 +29,16 @@ class FakePool:
 
 
 class ConstantRepairer:
-    """Residual = token id / 100 everywhere: easy to predict, different per token."""
+    """Residual = token id / 100 everywhere: easy to predict, different per token; in `dtype`,
+    as a network served in bfloat16 returns it."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32):
+        self.dtype = dtype
 
     def residual(self, stale_k, stale_v, token_ids, chunk_ids):
         self.seen = (stale_k.clone(), token_ids.clone(), chunk_ids.clone())
         res = (token_ids.float() / 100)[:, None, None, None].expand_as(stale_k)
-        return res, 2 * res
+        return res.to(self.dtype), (2 * res).to(self.dtype)
 
 
 def rope_shifter() -> KeyShifter:
@@ -43,8 +47,9 @@ def rope_shifter() -> KeyShifter:
     return KeyShifter(torch.cat((angles.cos(), angles.sin()), dim=-1), DIM, DIM, is_neox_style=True)
 
 
-def test_repair_writes_rotated_residuals_on_grafted_slots_only():
-    pool, shifter, repairer = FakePool(32), rope_shifter(), ConstantRepairer()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_repair_writes_rotated_residuals_on_grafted_slots_only(dtype):
+    pool, shifter, repairer = FakePool(32), rope_shifter(), ConstantRepairer(dtype)
     context = RepairSpan(torch.tensor([0, 1, 2]), [7, 8, 9], position=4)
     grafted = RepairSpan(torch.tensor([3, 4, 5, 6]), [10, 11, 12, 13], position=7, first=1, count=3,
                          new_slots=torch.tensor([20, 21, 22]))
@@ -58,10 +63,10 @@ def test_repair_writes_rotated_residuals_on_grafted_slots_only():
     for layer in range(LAYERS):
         for row, slot in enumerate([20, 21, 22]):
             token, position = 11 + row, 8 + row
-            res = torch.full((1, HEADS, DIM), token / 100)
+            res = torch.full((1, HEADS, DIM), token / 100).to(dtype).float()
             expected_k = before_k[layer][slot] + shifter.shift(res, position)[0]
             torch.testing.assert_close(pool.k[layer][slot], expected_k)
-            torch.testing.assert_close(pool.v[layer][slot], before_v[layer][slot] + 2 * token / 100)
+            torch.testing.assert_close(pool.v[layer][slot], before_v[layer][slot] + 2 * res[0])
         untouched = [s for s in range(32) if s not in (20, 21, 22)]
         assert torch.equal(pool.k[layer][untouched], before_k[layer][untouched])
 
@@ -158,6 +163,6 @@ def test_the_default_checkpoint_in_bfloat16_stays_within_a_percent_or_two_of_flo
         monkeypatch.setattr(network_module, "serving_precision", lambda device, p=precision: p)
         results[precision] = repairer.residual(stale_k, stale_v, token_ids, chunk_ids)
     for exact, fast in zip(results[torch.float32], results[torch.bfloat16]):
-        assert fast.dtype == torch.float32
+        assert (exact.dtype, fast.dtype) == (torch.float32, torch.bfloat16)
         assert exact.norm() > 0
-        assert (fast - exact).norm() / exact.norm() < 0.02
+        assert (fast.float() - exact).norm() / exact.norm() < 0.02

@@ -73,6 +73,21 @@ def test_untrained_network_repairs_nothing():
     assert torch.equal(raw_k, torch.zeros_like(raw_k))
 
 
+def test_scales_folded_into_the_network_equal_normalising_around_it():
+    # Serving passes raw KV and the statistics; training normalises around the network.
+    network = tiny_network(randomise=True).eval()
+    stats = tiny_stats()
+    stats.delta_sigma[0] = 0.0  # a context-free layer: nothing to repair there
+    k, v, token_ids, chunk_ids = tiny_inputs()
+    with torch.no_grad():
+        expected = stats.denormalise_residual(*network(*stats.normalise(k, v), token_ids, chunk_ids))
+        folded = network(k, v, token_ids, chunk_ids, scales=stats)
+    for got, want in zip(folded, expected):
+        assert want.abs().max() > 0.1
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        assert torch.equal(got[:, 0], torch.zeros_like(got[:, 0]))
+
+
 def test_chunks_see_themselves_and_earlier_chunks_only():
     network = tiny_network(randomise=True).eval()
     k, v, token_ids, chunk_ids = tiny_inputs()

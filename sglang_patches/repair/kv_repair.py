@@ -95,6 +95,7 @@ def repair_spans(repairer, kv_pool, shifter, spans: list[RepairSpan]) -> int:
     dst_t = torch.cat(dst).to(first_keys.device)
     if len(rows_t) < len(res_k):  # some tokens are context only (otherwise rows_t is every row, in order)
         res_k, res_v = res_k.index_select(0, rows_t), res_v.index_select(0, rows_t)
+    res_k = res_k.float()  # rotated in float32, like the stored keys
     cos, sin = shifter.rotation(torch.cat(positions), res_k)
     rotated = shifter.rotate(res_k, (cos.unsqueeze(1), sin.unsqueeze(1))).to(first_keys.device)
     values = res_v.to(first_keys.device)

@@ -27,18 +27,26 @@ def chunk_attention_mask(chunk_ids: torch.Tensor) -> torch.Tensor:
     return chunk_ids[None, :] <= chunk_ids[:, None]
 
 
-class GroupedLinear(nn.Module):
-    """One independent D -> out linear map per (layer, head, K|V) stream, as one einsum."""
+class StreamCompression(nn.Module):
+    """One independent D -> C linear map per (layer, head, K|V) stream."""
 
-    def __init__(self, groups: int, in_dim: int, out_dim: int):
+    def __init__(self, layer_heads: int, head_dim: int, compress_dim: int):
         super().__init__()
-        bound = 1.0 / math.sqrt(in_dim)
-        self.weight = nn.Parameter(torch.empty(groups, in_dim, out_dim).uniform_(-bound, bound))
-        self.bias = nn.Parameter(torch.zeros(groups, out_dim))
+        bound = 1.0 / math.sqrt(head_dim)
+        # Groups in the order (layer, head, K|V).
+        self.weight = nn.Parameter(torch.empty(2 * layer_heads, head_dim, compress_dim).uniform_(-bound, bound))
+        self.bias = nn.Parameter(torch.zeros(2 * layer_heads, compress_dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, groups, in_dim] -> [T, groups, out_dim]."""
-        return torch.einsum("tgd,gdc->tgc", x, self.weight) + self.bias
+    def forward(self, k: torch.Tensor, v: torch.Tensor, rms: torch.Tensor | None = None) -> torch.Tensor:
+        """k, v [T, L, H, D] -> [T, L * H * 2 * C]. K and V go through their maps apart, so the
+        request's KV is never stacked into one more copy. `rms` [L, H, 2, D]: the inputs are
+        raw and each is divided by its stream's RMS, folded into the weights."""
+        tokens, _, _, head_dim = k.shape
+        weight = self.weight if rms is None else self.weight / rms.reshape(self.weight.shape[0], head_dim, 1)
+        weight, bias = weight.view(-1, 2, *weight.shape[1:]), self.bias.view(-1, 2, self.bias.shape[-1])
+        parts = [torch.einsum("tgd,gdc->tgc", x.reshape(tokens, -1, head_dim), weight[:, i]) + bias[:, i]
+                 for i, x in enumerate((k, v))]
+        return torch.stack(parts, dim=2).reshape(tokens, -1)
 
 
 def zero_linear(in_dim: int, out_dim: int) -> nn.Linear:
@@ -83,7 +91,7 @@ class RepairNetwork(nn.Module):
         self.register_buffer("embedding", embedding.detach().float(), persistent=False)
         c = config
         compressed = c.kv_groups * c.compress_dim
-        self.compress = GroupedLinear(c.kv_groups, c.head_dim, c.compress_dim)
+        self.compress = StreamCompression(c.num_layers * c.num_kv_heads, c.head_dim, c.compress_dim)
         self.stale_in = nn.Linear(compressed, c.width)
         self.token_in = nn.Linear(c.embed_dim, c.width)
         self.reinject = nn.ModuleList(zero_linear(compressed, c.width) for _ in range(c.blocks))
@@ -92,18 +100,26 @@ class RepairNetwork(nn.Module):
         self.head = zero_linear(c.width, 2 * c.num_layers * c.num_kv_heads * c.head_dim)
 
     def forward(
-        self, stale_k: torch.Tensor, stale_v: torch.Tensor, token_ids: torch.Tensor, chunk_ids: torch.Tensor
+        self, stale_k: torch.Tensor, stale_v: torch.Tensor, token_ids: torch.Tensor, chunk_ids: torch.Tensor,
+        scales: KVStats | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Normalised RoPE-free stale K/V [T, L, H, D] -> normalised residuals (res_k, res_v)."""
+        """Normalised RoPE-free stale K/V [T, L, H, D] -> normalised residuals (res_k, res_v).
+
+        With `scales`: raw stale K/V in, raw residuals out. The normalisation is folded into the
+        compression weights and the de-normalisation into the output head (the same arithmetic
+        up to rounding), so serving makes no extra pass over the request's KV for either."""
         c = self.config
         tokens = stale_k.shape[0]
-        streams = torch.stack((stale_k, stale_v), dim=3).reshape(tokens, c.kv_groups, c.head_dim)
-        features = self.compress(streams).reshape(tokens, -1)
+        features = self.compress(stale_k, stale_v, None if scales is None else scales.stale_rms)
         h = self.stale_in(features) + self.token_in(self.embedding[token_ids])
         mask = chunk_attention_mask(chunk_ids)
         for reinject, block in zip(self.reinject, self.blocks):
             h = block(h + reinject(features), mask)
-        out = self.head(self.out_norm(h)).view(tokens, c.num_layers, c.num_kv_heads, 2, c.head_dim)
+        weight, bias = self.head.weight, self.head.bias
+        if scales is not None:
+            out_scale = scales.delta_sigma.reshape(-1)  # (L, H, K|V, D): the head's output order
+            weight, bias = weight * out_scale[:, None], bias * out_scale
+        out = F.linear(self.out_norm(h), weight, bias).view(tokens, c.num_layers, c.num_kv_heads, 2, c.head_dim)
         return out[..., 0, :], out[..., 1, :]
 
     def trainable_parameters(self) -> int:
@@ -153,10 +169,11 @@ class KVRepairer:
     def residual(
         self, stale_k: torch.Tensor, stale_v: torch.Tensor, token_ids: torch.Tensor, chunk_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Raw RoPE-free stale K/V [T, L, H, D] -> raw residuals (float32, on the repairer's
-        device): repaired = stale + residual, before re-rotating K to its global positions."""
+        """Raw RoPE-free stale K/V [T, L, H, D] -> raw residuals on the repairer's device, in the
+        precision the network ran in (bfloat16 where it is served so; widening the whole output
+        would be one more pass over it, so callers widen the rows they use): repaired = stale +
+        residual, before re-rotating K to its global positions."""
         device = self.device
-        k, v = self.stats.normalise(stale_k.to(device, torch.float32), stale_v.to(device, torch.float32))
         with in_precision(device, serving_precision(device)):
-            res_k, res_v = self.network(k, v, token_ids.to(device), chunk_ids.to(device))
-        return self.stats.denormalise_residual(res_k.float(), res_v.float())
+            return self.network(stale_k.to(device, torch.float32), stale_v.to(device, torch.float32),
+                                token_ids.to(device), chunk_ids.to(device), scales=self.stats)
