@@ -10,7 +10,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
-from sglang_patches.attention import QueryOnlyTorchNativeBackend, offset_causal_mask
+from sglang_patches.attention import DecodeRows, QueryOnlyTorchNativeBackend, gather_kv, offset_causal_mask
 
 
 HEADS, KV_HEADS, DIM = 6, 2, 16
@@ -86,6 +86,96 @@ def test_decode_equals_torch_native():
     expected = run_decode(TorchNativeAttnBackend, [1, 17, 90])
     got = run_decode(QueryOnlyTorchNativeBackend, [1, 17, 90])
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def decode_steps(backend, k_cache, v_cache, req_to_token, start_lens, steps, gen, keep_rows, layers=2):
+    """Decode `steps` tokens for every row: each step writes the new token's K/V into its slot
+    (as forward_decode does before attending) and runs every layer; returns the outputs. Without
+    `keep_rows` no layer is named, so every step gathers whole rows."""
+    outputs = []
+    for step in range(steps):
+        seq_lens = torch.tensor([n + step for n in start_lens])
+        for row, n in enumerate(seq_lens.tolist()):
+            slot = int(req_to_token[row, n - 1])
+            k_cache[slot], v_cache[slot] = torch.randn(2, KV_HEADS, DIM, generator=gen)
+        query = torch.randn(len(start_lens), HEADS, DIM, generator=gen)
+        for layer in range(layers):
+            output = torch.zeros_like(query)
+            backend._decode_layer = layer if keep_rows else None
+            backend._run_sdpa_forward_decode(query, output, k_cache, v_cache, req_to_token,
+                                             torch.arange(len(start_lens)), seq_lens,
+                                             scaling=DIM ** -0.5, enable_gqa=True)
+            outputs.append(output)
+    return outputs
+
+
+def test_decode_rows_kept_between_steps_equal_gathering_every_step():
+    # Two runs over the same pool writes: rows kept between steps (and past their first
+    # capacity: 150 steps), and the whole row gathered at every step (no layer given).
+    start_lens, steps = [5, 40, 1], 150
+    results = []
+    for keep_rows in (True, False):
+        gen = torch.Generator().manual_seed(4)
+        k_cache, v_cache, req_to_token = scattered_pool([n + steps for n in start_lens], 1024, torch.int32, gen)
+        backend = object.__new__(QueryOnlyTorchNativeBackend)
+        results.append(decode_steps(backend, k_cache, v_cache, req_to_token, start_lens, steps, gen, keep_rows))
+        assert len(backend.decode_rows) == (len(start_lens) * 2 if keep_rows else 0)
+    for kept, gathered in zip(*results):
+        assert torch.equal(kept, gathered)
+
+
+def test_decode_rows_are_gathered_again_when_slots_or_contents_change():
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache, _ = scattered_pool([1], 256, torch.int64, gen)
+    rows = DecodeRows()
+    slots = torch.randperm(256, generator=gen)[:30]
+
+    def same_as_gathered(got, slots):
+        expected = gather_kv(k_cache, v_cache, slots, torch.float32)
+        return all(torch.equal(a, b) for a, b in zip(got, expected))
+
+    assert same_as_gathered(rows.kv(0, 0, slots[:20], k_cache, v_cache, torch.float32), slots[:20])
+    # The request slot now holds another request's row (other slots): gathered again.
+    other = torch.randperm(256, generator=gen)[:21]
+    assert same_as_gathered(rows.kv(0, 0, other, k_cache, v_cache, torch.float32), other)
+    # Same slots, new K/V in them (a new request reusing freed slots): the row is stale until its
+    # request slot is extended, which forgets it.
+    k_cache[other[3]] += 1.0
+    assert not same_as_gathered(rows.kv(0, 0, other, k_cache, v_cache, torch.float32), other)
+    rows.forget([0])
+    assert same_as_gathered(rows.kv(0, 0, other, k_cache, v_cache, torch.float32), other)
+    rows.kv(1, 0, slots, k_cache, v_cache, torch.float32)
+    rows.keep_only([1])
+    assert len(rows) == 1
+
+
+def test_extend_forgets_its_request_slots_and_a_new_decode_step_keeps_only_its_own(monkeypatch):
+    class Batch:
+        def __init__(self, request_slots):
+            self.req_pool_indices = torch.tensor(request_slots)
+
+    class Layer:
+        def __init__(self, layer_id):
+            self.layer_id = layer_id
+
+    monkeypatch.setattr(TorchNativeAttnBackend, "forward_extend", lambda self, *a, **kw: "extended")
+    monkeypatch.setattr(TorchNativeAttnBackend, "forward_decode", lambda self, *a, **kw: self._decode_layer)
+    import sglang_patches.attention as attention
+
+    monkeypatch.setattr(attention, "batch_annotations", lambda batch: ({}, {}))
+    backend = object.__new__(QueryOnlyTorchNativeBackend)
+    k_cache, v_cache, _ = scattered_pool([1], 64, torch.int64, torch.Generator().manual_seed(6))
+    for request_slot in (0, 1, 2):
+        for layer in (0, 1):
+            backend.decode_rows.kv(request_slot, layer, torch.arange(4), k_cache, v_cache, torch.float32)
+    assert backend.forward_extend(None, None, None, Layer(0), Batch([1])) == "extended"
+    assert sorted({key[0] for key in backend.decode_rows._rows}) == [0, 2]
+    # The layer id is set while the decode forward runs, and only then.
+    assert backend.forward_decode(None, None, None, Layer(0), Batch([0, 2])) == 0
+    assert backend._decode_layer is None and len(backend.decode_rows) == 4
+    assert backend.forward_decode(None, None, None, Layer(1), Batch([0, 2])) == 1
+    assert backend.forward_decode(None, None, None, Layer(0), Batch([2])) == 0  # the next step
+    assert sorted({key[0] for key in backend.decode_rows._rows}) == [2]
 
 
 def reference_prefill(q, k, v, *, custom_mask, causal, sm_scale, window_left, logits_soft_cap):
