@@ -77,7 +77,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="Train on the pairs' training split, validate on its validation split, write the "
         "checkpoint (weights, config + model fingerprint, KV statistics) to --out.",
     )
-    train.add_argument("--pairs", type=Path, required=True, metavar="DIR")
+    train.add_argument("--pairs", type=Path, required=True, nargs="+", metavar="DIR",
+                       help="pairs folders for one model: the training splits of all are pooled; the first "
+                       "gives the validation split and the KV statistics")
     train.add_argument("--out", type=Path, required=True, metavar="CKPT_DIR")
     train.add_argument("--steps", type=_positive_int, default=defaults.steps, help="one group per step")
     train.add_argument("--lr", type=float, default=defaults.lr)
@@ -192,7 +194,7 @@ def _train(args: argparse.Namespace) -> int:
                            residual_weight=args.residual_weight, kl_weight=args.kl_weight,
                            kl_positions=args.kl_positions)
     model_dir = resolve_model(args.model) if args.model else None
-    Trainer(args.pairs, args.out, options, model_dir).run(resume=args.resume)
+    Trainer(args.pairs[0], args.out, options, model_dir, more_pairs=tuple(args.pairs[1:])).run(resume=args.resume)
     return 0
 
 

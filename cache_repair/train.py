@@ -7,6 +7,10 @@ One step is one group (one request's chunks). The loss is the weighted sum of tw
   prefill's next-token distribution and the frozen LLM's on the repaired KV, at the last
   `kl_positions` prompt positions (`cache_repair.answer_loss`), back-propagated through the
   frozen LLM into the network.
+Training may draw on several pairs folders made for the same model and serving head (for
+example random and retrieved distractors): their training splits are pooled; the first folder
+gives the validation split and the normalisation statistics (only scales, so one folder's serve
+for all).
 The out dir holds a resumable training state
 (train_state.pt: network, optimizer, scheduler, step, statistics) written at every
 validation, and at the end the checkpoint that serving loads (`sglang_patches.repair.checkpoint`).
@@ -192,24 +196,41 @@ def _answer_text(result: Evaluation) -> str:
     return f", first-token KL {result.first_token_kl:.4f}, greedy agreement {result.first_token_agreement:.0%}"
 
 
+def pooled_train_paths(pairs_dir: Path, more_pairs: tuple[Path, ...]) -> list[Path]:
+    """The training shards of `pairs_dir` and of every folder in `more_pairs`, refused unless
+    all were made for the same model, network geometry and serving head."""
+    first = read_manifest(pairs_dir)
+    paths = shard_paths(pairs_dir, "train")
+    for other_dir in more_pairs:
+        other = read_manifest(other_dir)
+        differ = [key for key in ("model_fingerprint", "repair_config", "head_ids") if other.get(key) != first.get(key)]
+        if differ:
+            raise TrainError(f"{other_dir} was made with another {', '.join(differ)} than {pairs_dir}")
+        paths += shard_paths(other_dir, "train")
+    return paths
+
+
 @dataclass
 class Trainer:
-    pairs_dir: Path
+    pairs_dir: Path  # validation split and normalisation statistics from here
     out: Path
     options: TrainOptions
     model_dir: Path | None = None
+    more_pairs: tuple[Path, ...] = ()  # further folders whose training splits are pooled in
     history: list[dict[str, Any]] = field(default_factory=list)
 
     def run(self, resume: bool = False) -> Evaluation:
         manifest = read_manifest(self.pairs_dir)
         model_dir, fingerprint = pairs_model(self.pairs_dir, self.model_dir)
-        train_paths, val_paths = shard_paths(self.pairs_dir, "train"), shard_paths(self.pairs_dir, "val")
+        train_paths = pooled_train_paths(self.pairs_dir, self.more_pairs)
+        val_paths = shard_paths(self.pairs_dir, "val")
         config = RepairConfig.from_dict({**manifest["repair_config"], "width": self.options.width,
                                          "blocks": self.options.blocks})
         self.out.mkdir(parents=True, exist_ok=True)
         state_path = self.out / STATE_FILE
         state = self._load_state(state_path, resume)
-        stats = KVStats.from_tensors(state["stats"]) if state else training_stats(self.pairs_dir, train_paths)
+        stats = (KVStats.from_tensors(state["stats"]) if state
+                 else training_stats(self.pairs_dir, shard_paths(self.pairs_dir, "train")))
 
         torch.manual_seed(self.options.seed)
         network = RepairNetwork(config, read_token_embedding(model_dir))
@@ -252,7 +273,7 @@ class Trainer:
 
         final = final or evaluate(network, stats, val_paths, reader)
         summary = {
-            "steps": self.options.steps, "options": asdict(self.options), "pairs": str(self.pairs_dir),
+            "steps": self.options.steps, "options": asdict(self.options), "pairs": self._pairs_names(),
             "train_groups": len(train_paths), "val_groups": len(val_paths),
             "final_train_loss": self.history[-1]["train_loss"] if self.history else None,
             "final_val_loss": final.loss, "val_relative_error": final.to_dict(),
@@ -262,6 +283,9 @@ class Trainer:
         logger.info("checkpoint written to %s (val loss %.4f, relative error K %.3f V %.3f%s)",
                     self.out, final.loss, final.overall_k, final.overall_v, _answer_text(final))
         return final
+
+    def _pairs_names(self) -> list[str]:
+        return [str(d) for d in (self.pairs_dir, *self.more_pairs)]
 
     def _shard_at(self, step: int, paths: list[Path]) -> Path:
         # A fixed permutation per epoch, so a resumed run sees the same order as an uninterrupted one.
@@ -293,6 +317,8 @@ class Trainer:
         if not resume:
             raise TrainError(f"{self.out} already holds a training run: pass --resume or use another --out")
         state = torch.load(path, map_location="cpu", weights_only=True)
+        if state.get("pairs", [str(self.pairs_dir)]) != self._pairs_names():
+            raise TrainError(f"--resume with other pairs than the saved run's ({', '.join(state['pairs'])})")
         if state["options"] != asdict(self.options):
             changed = sorted(k for k, v in asdict(self.options).items() if state["options"].get(k) != v)
             raise TrainError(f"--resume with other options than the saved run ({', '.join(changed)}); "
@@ -303,7 +329,7 @@ class Trainer:
                     scheduler: torch.optim.lr_scheduler.LRScheduler, stats: KVStats, step: int) -> None:
         state = {"network": network.state_dict(), "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(), "stats": stats.tensors(), "step": step,
-                 "options": asdict(self.options), "history": self.history}
+                 "options": asdict(self.options), "pairs": self._pairs_names(), "history": self.history}
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         torch.save(state, tmp)
         os.replace(tmp, path)

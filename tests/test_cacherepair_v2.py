@@ -21,7 +21,8 @@ from cache_repair.cli import register
 from cache_repair.pairs import Pair, PairMaker, PairsError, chunk_name, shard_paths
 from cache_repair.serving_pairs import generate_serving_pairs
 from cache_repair import train as train_module
-from cache_repair.train import answer_reader, compute_stats, evaluate, step_loss, training_stats
+from cache_repair.train import (TrainError, answer_reader, compute_stats, evaluate, pooled_train_paths, step_loss,
+                                training_stats)
 from retrieval.prompt_layout import DEFAULT_SYSTEM_PROMPT, PromptLayout
 from sglang_patches.repair.config import RepairConfig, TrainOptions, read_token_embedding
 from sglang_patches.repair.network import RepairNetwork
@@ -319,3 +320,30 @@ def test_train_and_eval_commands_on_serving_pairs(serving_pairs, tiny_model_dir,
     assert "first-token KL" in capsys.readouterr().out
     assert repair_cli("repair", "eval", "--pairs", out, "--naive", "--model", tiny_model_dir) == 1
     assert "--naive needs --out" in capsys.readouterr().err
+
+
+def test_training_pools_the_training_splits_of_several_pairs_folders(serving_pairs, maker, tiny_model_dir, nq_file,
+                                                                     tmp_path, capsys):
+    out, _ = serving_pairs
+    other = tmp_path / "other-seed"
+    generate_serving_pairs(other, tiny_model_dir, groups=2, val_groups=1, seed=9, shape=SHAPE,
+                           max_disk_gb=1.0, data=nq_file, maker=maker)
+    assert pooled_train_paths(out, (other,)) == shard_paths(out, "train") + shard_paths(other, "train")
+    checkpoint = tmp_path / "checkpoint"
+    args = ("repair", "train", "--pairs", out, other, "--out", checkpoint, "--model", tiny_model_dir,
+            "--steps", 5, "--warmup", 1, "--val-every", 5, "--width", 16, "--blocks", 1)
+    assert repair_cli(*args) == 0
+    summary = json.loads((checkpoint / "config.json").read_text())["training"]
+    assert summary["train_groups"] == 3 + 2 and summary["val_groups"] == 2  # validation: the first folder's
+    assert summary["pairs"] == [str(out), str(other)]
+    # A resumed run must pool the same folders.
+    assert repair_cli("repair", "train", "--pairs", out, "--out", checkpoint, "--model", tiny_model_dir,
+                      "--steps", 5, "--warmup", 1, "--val-every", 5, "--width", 16, "--blocks", 1, "--resume") == 1
+    assert "other pairs" in capsys.readouterr().err
+    # Pairs of another model (or head) are refused before any step.
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    manifest = json.loads((other / "manifest.json").read_text())
+    (foreign / "manifest.json").write_text(json.dumps({**manifest, "model_fingerprint": "another-model"}))
+    with pytest.raises(TrainError, match="model_fingerprint"):
+        pooled_train_paths(out, (foreign,))
