@@ -191,7 +191,9 @@ class QueryOnlyTorchNativeBackend(TorchNativeAttnBackend):
                 mask = offset_causal_mask(q_len, kv_len, query.device, sliding_window_size)
                 is_causal = False
             key, value = gather_kv(k_cache, v_cache, slots, query.dtype)
-            output[start_q:end_q] = attend_row(query[:, start_q:end_q, :], key, value, scaling, enable_gqa, mask, is_causal)
+            output[start_q:end_q] = attend_row(
+                query[:, start_q:end_q, :], key, value, scaling, enable_gqa, mask, is_causal
+            )
             start_q = end_q
         return output
 
@@ -224,7 +226,9 @@ class QueryOnlyTorchNativeBackend(TorchNativeAttnBackend):
                 key, value = gather_kv(k_cache, v_cache, slots, query.dtype)
             else:
                 key, value = self.decode_rows.kv(request_slot, self._decode_layer, slots, k_cache, v_cache, query.dtype)
-            output[seq_idx : seq_idx + 1] = attend_row(query[:, seq_idx : seq_idx + 1, :], key, value, scaling, enable_gqa)
+            output[seq_idx : seq_idx + 1] = attend_row(
+                query[:, seq_idx : seq_idx + 1, :], key, value, scaling, enable_gqa
+            )
         return output
 
 
