@@ -87,30 +87,34 @@ class DecodeRows:
     """
 
     def __init__(self) -> None:
-        self._rows: dict[tuple[int, int], _Row] = {}  # (request slot, layer id) -> row
+        self._rows: dict[int, dict[int, _Row]] = {}  # request slot -> layer id -> row
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return sum(len(layers) for layers in self._rows.values())
+
+    def request_slots(self) -> list[int]:
+        return sorted(self._rows)
 
     def forget(self, request_slots: list[int]) -> None:
-        dropped = set(request_slots)
-        self._rows = {key: row for key, row in self._rows.items() if key[0] not in dropped}
+        for request_slot in request_slots:
+            self._rows.pop(request_slot, None)
 
     def keep_only(self, request_slots: list[int]) -> None:
         kept = set(request_slots)
-        self._rows = {key: row for key, row in self._rows.items() if key[0] in kept}
+        self.forget([slot for slot in self._rows if slot not in kept])
 
     def kv(self, request_slot: int, layer_id: int, slots: torch.Tensor, k_cache: torch.Tensor,
            v_cache: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The K/V at `slots` ([tokens, heads, dim] views), as `gather_kv` gives them."""
         n = len(slots)
-        row = self._rows.get((request_slot, layer_id))
+        layers = self._rows.setdefault(request_slot, {})
+        row = layers.get(layer_id)
         if row is None or not (row.length <= n <= len(row.slots)
                                and torch.equal(row.slots[: row.length], slots[: row.length])):
             capacity = n + max(64, n // 4)
             row = _Row(slots.new_empty(capacity), k_cache.new_empty((capacity, *k_cache.shape[1:]), dtype=dtype),
                        v_cache.new_empty((capacity, *v_cache.shape[1:]), dtype=dtype), 0)
-            self._rows[(request_slot, layer_id)] = row
+            layers[layer_id] = row
         if n > row.length:
             new = slots[row.length :]
             row.keys[row.length : n], row.values[row.length : n] = gather_kv(k_cache, v_cache, new, dtype)

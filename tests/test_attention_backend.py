@@ -169,13 +169,13 @@ def test_extend_forgets_its_request_slots_and_a_new_decode_step_keeps_only_its_o
         for layer in (0, 1):
             backend.decode_rows.kv(request_slot, layer, torch.arange(4), k_cache, v_cache, torch.float32)
     assert backend.forward_extend(None, None, None, Layer(0), Batch([1])) == "extended"
-    assert sorted({key[0] for key in backend.decode_rows._rows}) == [0, 2]
+    assert backend.decode_rows.request_slots() == [0, 2]
     # The layer id is set while the decode forward runs, and only then.
     assert backend.forward_decode(None, None, None, Layer(0), Batch([0, 2])) == 0
     assert backend._decode_layer is None and len(backend.decode_rows) == 4
     assert backend.forward_decode(None, None, None, Layer(1), Batch([0, 2])) == 1
     assert backend.forward_decode(None, None, None, Layer(0), Batch([2])) == 0  # the next step
-    assert sorted({key[0] for key in backend.decode_rows._rows}) == [2]
+    assert backend.decode_rows.request_slots() == [2]
 
 
 def reference_prefill(q, k, v, *, custom_mask, causal, sm_scale, window_left, logits_soft_cap):
