@@ -175,7 +175,7 @@ def test_bench_quality_writes_a_calibration_table(tmp_path):
                     result("legolink", tokens, 0.2 if tokens < 512 else 0.4, 1.0),
                     result("naive", tokens, 0.5, 0.5), result("cacherepair", tokens, 0.3, 0.8)]
     summary = summarise(results, ["full", "prefix", "legolink", "naive", "cacherepair"])
-    table = calibration_table(results, summary, "smollm2-135m", "a test run")
+    table = calibration_table([(results, summary)], "smollm2-135m", "a test run")
     # Chunk-reusing policies only, fastest first, canonical names, KL per measured bucket.
     assert table.cost_order == ("naive", "cacherepair", "legolink:16")
     assert table.kl == {"naive": {"<512": 0.5, "1024-2048": 0.5}, "cacherepair": {"<512": 0.3, "1024-2048": 0.3},
@@ -186,7 +186,66 @@ def test_bench_quality_writes_a_calibration_table(tmp_path):
     auto = AutoPolicy(0.35, CalibrationTable.read(path))
     assert auto.choose(1600).policy.name == "cacherepair" and auto.choose(200).policy.name == "cacherepair"
     assert AutoPolicy(0.25, CalibrationTable.read(path)).choose(200).policy.name == "legolink:16"
-    assert calibration_table(results, summary, "unknown-model", "x").repair_checkpoint is None
+    assert calibration_table([(results, summary)], "unknown-model", "x").repair_checkpoint is None
+
+
+def _stored_run(folder, model, kl_method, rows):
+    """A results.json as `bench quality` writes it: rows are (policy, prompt tokens, KL, TTFT)."""
+    from dataclasses import asdict
+
+    from rag_server.bench.quality import QuestionResult, summarise
+
+    results = [QuestionResult(id=str(tokens), policy=policy, answer="", em=0.0, f1=0.0, agrees_with_full=False,
+                              first_token_kl=kl, ttft_s=ttft, prompt_tokens=tokens, reused_tokens=0,
+                              computed_tokens=0, chunk_hits=0, chunk_misses=0) for policy, tokens, kl, ttft in rows]
+    policies = list(dict.fromkeys(r.policy for r in results))
+    folder.mkdir()
+    (folder / "results.json").write_text(json.dumps({
+        "model": f"/models/{model}", "method": {"first_token_kl": kl_method},
+        "policies": summarise(results, policies), "per_question": [asdict(r) for r in results]}))
+    return folder
+
+
+def test_bench_calibrate_pools_stored_runs_of_one_model(tmp_path, capsys):
+    from rag_server.cli import main
+
+    short = _stored_run(tmp_path / "short", "smollm2-135m", "exact", [
+        ("full", 1200, 0.0, 4.0), ("naive", 1200, 0.6, 0.5), ("legolink", 1200, 0.4, 1.0),
+        ("full", 1300, 0.0, 4.0), ("naive", 1300, 0.8, 0.5), ("legolink", 1300, 0.2, 1.0)])
+    long = _stored_run(tmp_path / "long", "smollm2-135m", "exact", [
+        ("full", 1900, 0.0, 9.0), ("naive", 1900, 1.0, 0.5), ("legolink:16", 1900, 0.5, 1.5),
+        ("full", 2500, 0.0, 9.0), ("naive", 2500, 0.4, 0.5), ("legolink:16", 2500, 0.3, 1.5)])
+    out = tmp_path / "table.json"
+    assert main(["bench", "calibrate", str(short), str(long / "results.json"), "--out", str(out)]) == 0
+    table = CalibrationTable.read(out)
+    # Every question of both runs lands in its own size bucket; `legolink` and `legolink:16` pool.
+    assert table.cost_order == ("naive", "legolink:16") and table.model == "smollm2-135m"
+    assert table.kl == {"naive": {"1024-2048": 0.8, ">=2048": 0.4}, "legolink:16": {"1024-2048": 0.3667, ">=2048": 0.3}}
+    assert "short: 2 questions; long: 2 questions" in table.source
+    assert AutoPolicy(0.35, table).choose(2400).policy.name == "legolink:16"
+
+    bound = _stored_run(tmp_path / "bound", "smollm2-135m", "top-20 bound", [("full", 1200, 0.0, 4.0),
+                                                                            ("naive", 1200, 0.5, 0.5)])
+    other = _stored_run(tmp_path / "other", "qwen2.5-coder-0.5b", "exact", [("full", 1200, 0.0, 4.0),
+                                                                           ("naive", 1200, 0.5, 0.5)])
+    capsys.readouterr()
+    assert main(["bench", "calibrate", str(short), str(bound)]) == 1
+    assert "measured the first-token KL differently" in capsys.readouterr().err
+    assert main(["bench", "calibrate", str(short), str(other)]) == 1
+    assert "different models (qwen2.5-coder-0.5b, smollm2-135m)" in capsys.readouterr().err
+    assert main(["bench", "calibrate", str(tmp_path / "missing")]) == 1
+    assert "is not a `picrag bench quality` results file" in capsys.readouterr().err
+
+
+def test_speed_order_takes_out_each_runs_prompt_length():
+    from rag_server.bench.quality import speed_order
+
+    # legolink:2 ran only on the long prompts, where every policy is faster: its 10x there is
+    # slower than naive's 15x, though faster than naive's 8x on the short ones.
+    short, long = {"naive": 8.0, "cacherepair": 4.0}, {"naive": 15.0, "legolink:2": 10.0, "cacherepair": 7.0}
+    assert speed_order([short, long]) == ["naive", "legolink:2", "cacherepair"]
+    assert speed_order([long]) == ["naive", "legolink:2", "cacherepair"]
+    assert speed_order([{"cacherepair": 4.0, "naive": 8.0}]) == ["naive", "cacherepair"]
 
 
 def test_auto_never_picks_a_policy_the_self_check_refuses(tokenizer, tmp_path):

@@ -16,6 +16,7 @@ computed from the two distributions.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections import defaultdict
 import sys
@@ -52,7 +53,7 @@ from rag_server.bench.common import (
 from rag_server.bench.scoring import score_answer
 from rag_server.launch.repair_checkpoint import SHIPPED_DIR
 from rag_server.service.auto_policy import CalibrationTable
-from rag_server.service.first_token_quality import BUCKET_BOUNDS, size_bucket
+from rag_server.service.first_token_quality import BUCKET_BOUNDS, bucket_labels, size_bucket
 from sglang_patches.first_token_report import exact_kl
 from sglang_patches.policies import parse_policy
 
@@ -161,27 +162,91 @@ def markdown_table(summary: dict[str, dict[str, Any]], unavailable: list[dict[st
     return render_table(TABLE_COLUMNS, rows, unavailable)
 
 
-def calibration_table(results: list[QuestionResult], summary: dict[str, dict[str, Any]], model: str,
+@dataclass(frozen=True)
+class StoredRun:
+    """A finished `bench quality` run, read back from its results.json."""
+    path: Path
+    model: str  # the model folder's name
+    kl_method: str  # how the first-token KL was measured (the report's method field)
+    results: list[QuestionResult]
+    summary: dict[str, dict[str, Any]]
+
+    @property
+    def label(self) -> str:
+        questions = len({r.id for r in self.results})
+        return f"{self.path.parent.name}: {questions} questions"
+
+
+def read_run(path: Path) -> StoredRun:
+    """A run from its results.json or the folder holding it."""
+    path = path / "results.json" if path.is_dir() else path
+    try:
+        report = json.loads(path.read_text())
+        results = [QuestionResult(**row) for row in report["per_question"]]
+        return StoredRun(path=path, model=Path(report["model"]).name,
+                         kl_method=report["method"]["first_token_kl"], results=results,
+                         summary=report["policies"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BenchError(f"{path} is not a `picrag bench quality` results file: {exc}") from exc
+
+
+def speed_order(speedups: list[dict[str, float]]) -> list[str]:
+    """Policies fastest first from per-run speed-ups over full. Runs on longer prompts show larger
+    speed-ups for every policy, so a policy measured only on them must not look faster than it
+    is: log speed-up is fitted as a policy term plus a run term (least squares, by alternating
+    means) and the policies are ordered by their terms. With one run this is its speed-up order."""
+    logs = [{policy: math.log(value) for policy, value in run.items() if value > 0} for run in speedups]
+    policies = sorted({policy for run in logs for policy in run})
+    policy_term = dict.fromkeys(policies, 0.0)
+    run_term = [0.0] * len(logs)
+    for _ in range(50):
+        run_term = [statistics.fmean(v - policy_term[p] for p, v in run.items()) if run else 0.0 for run in logs]
+        policy_term = {p: statistics.fmean(run[p] - run_term[i] for i, run in enumerate(logs) if p in run)
+                       for p in policies}
+    return sorted(policies, key=lambda p: -policy_term[p])
+
+
+def calibration_table(runs: list[tuple[list[QuestionResult], dict[str, dict[str, Any]]]], model: str,
                       source: str) -> CalibrationTable:
-    """`auto`'s table from a run: mean first-token KL per chunk-reusing policy and prompt-size
-    bucket, the policies ordered by their TTFT speed-up over full (fastest, i.e. cheapest, first).
-    Repairing policies are taken to have run with the checkpoint shipped for the model (what a
-    bench that starts its own server serves)."""
+    """`auto`'s table from one run or several (each run's per-question results and summary): mean
+    first-token KL per chunk-reusing policy and prompt-size bucket, pooled over every question of
+    every run, the policies ordered by TTFT speed-up over full (fastest, i.e. cheapest, first;
+    `speed_order`). Repairing policies are taken to have run with the checkpoint shipped for
+    the model (what a bench that starts its own server serves)."""
+    # Keyed by canonical name, so `legolink` in one run and `legolink:16` in another pool.
     kls: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for r in results:
-        if r.first_token_kl is not None and parse_policy(r.policy).family.reuses_chunks:
-            kls[r.policy][size_bucket(r.prompt_tokens)].append(r.first_token_kl)
-    measured = [p for p in summary if p in kls and summary[p]["ttft_speedup_vs_full"] is not None]
-    measured.sort(key=lambda p: -summary[p]["ttft_speedup_vs_full"])
-    canonical = {p: parse_policy(p).name for p in measured}
+    speedups: list[dict[str, float]] = []
+    for results, summary in runs:
+        for r in results:
+            if r.first_token_kl is not None and parse_policy(r.policy).family.reuses_chunks:
+                kls[parse_policy(r.policy).name][size_bucket(r.prompt_tokens)].append(r.first_token_kl)
+        speedups.append({parse_policy(policy).name: values["ttft_speedup_vs_full"]
+                         for policy, values in summary.items() if values["ttft_speedup_vs_full"] is not None})
+    measured = [p for p in speed_order(speedups) if p in kls]
     repairs = any(parse_policy(p).family.repairs for p in measured)
     return CalibrationTable(
-        model=model, cost_order=tuple(canonical[p] for p in measured),
-        kl={canonical[p]: {bucket: round(statistics.fmean(values), 4) for bucket, values in kls[p].items()}
-            for p in measured},
+        model=model, cost_order=tuple(measured),
+        kl={p: {bucket: round(statistics.fmean(kls[p][bucket]), 4) for bucket in bucket_labels(BUCKET_BOUNDS)
+                if bucket in kls[p]} for p in measured},
         bounds=BUCKET_BOUNDS, repair_checkpoint=model if repairs and (SHIPPED_DIR / model).is_dir() else None,
         source=source,
     )
+
+
+def calibration_from_runs(runs: list[StoredRun]) -> CalibrationTable:
+    """One table from stored runs of one model whose KLs were measured the same way."""
+    if not runs:
+        raise BenchError("no runs given")
+    models = {run.model for run in runs}
+    if len(models) > 1:
+        raise BenchError(f"the runs are of different models ({', '.join(sorted(models))}); one table is one model's")
+    methods = {run.kl_method for run in runs}
+    if len(methods) > 1:
+        raise BenchError("the runs measured the first-token KL differently and cannot be pooled: "
+                         + "; ".join(f"{run.path}: {run.kl_method}" for run in runs))
+    source = ("picrag bench calibrate over " + "; ".join(run.label for run in runs)
+              + f". First-token KL: {methods.pop()}.")
+    return calibration_table([(run.results, run.summary) for run in runs], models.pop(), source)
 
 
 def pareto_plot(summary: dict[str, dict[str, Any]], path: Path, title: str) -> None:
@@ -270,7 +335,7 @@ def run_quality(options: QualityOptions, progress: bool = True) -> dict[str, Any
     }
     (options.out / "results.json").write_text(json.dumps(report, indent=2))
     if options.write_calibration is not None:
-        table = calibration_table(results, summary, model_dir.name,
+        table = calibration_table([(results, summary)], model_dir.name,
                                   f"{options.command} ({len(rows)} questions of {options.dataset.name})")
         options.write_calibration.parent.mkdir(parents=True, exist_ok=True)
         options.write_calibration.write_text(json.dumps(table.as_json(), indent=2) + "\n")

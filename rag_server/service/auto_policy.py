@@ -2,8 +2,8 @@
 prompt of that size, is within the server's quality target (`picrag serve --quality-target`).
 
 Expected KL comes from a calibration table per model (and CacheRepair checkpoint): JSON files in
-rag_server/calibration/ named after the model folder, written by
-`picrag bench quality --write-calibration` or filled from docs/benchmarks.md. The table lists
+rag_server/calibration/ named after the model folder, written by `picrag bench calibrate` (from
+stored dev-set runs) or `picrag bench quality --write-calibration` (from one run). The table lists
 policies cheapest first (`cost_order`, from measured TTFT speed-ups) and their mean KL per
 prompt-size bucket (rag_server/service/first_token_quality.py). Shadow samples replace a table
 value once a (policy, bucket) has `min_samples` of them: their running mean is what live traffic
