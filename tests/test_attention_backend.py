@@ -10,7 +10,8 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
-from sglang_patches.attention import DecodeRows, QueryOnlyTorchNativeBackend, gather_kv, offset_causal_mask
+from sglang_patches.attention import (DecodeRows, QueryOnlyTorchNativeBackend, attend_decode, gather_kv,
+                                      offset_causal_mask)
 
 
 HEADS, KV_HEADS, DIM = 6, 2, 16
@@ -88,6 +89,17 @@ def test_decode_equals_torch_native():
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4), (8, 1)])
+def test_a_decode_query_grouped_by_kv_head_equals_sdpa_with_its_heads_repeated(heads, kv_heads):
+    gen = torch.Generator().manual_seed(7)
+    query = torch.randn(heads, DIM, generator=gen)
+    key, value = torch.randn(2, kv_heads, 33, DIM, generator=gen)
+    repeat = heads // kv_heads
+    expected = scaled_dot_product_attention(query[:, None], key.repeat_interleave(repeat, 0),
+                                            value.repeat_interleave(repeat, 0), scale=0.3)[:, 0]
+    torch.testing.assert_close(attend_decode(query, key, value, 0.3), expected, atol=1e-6, rtol=1e-5)
+
+
 def decode_steps(backend, k_cache, v_cache, req_to_token, start_lens, steps, gen, keep_rows, layers=2):
     """Decode `steps` tokens for every row: each step writes the new token's K/V into its slot
     (as forward_decode does before attending) and runs every layer; returns the outputs. Without
@@ -132,7 +144,7 @@ def test_decode_rows_are_gathered_again_when_slots_or_contents_change():
 
     def same_as_gathered(got, slots):
         expected = gather_kv(k_cache, v_cache, slots, torch.float32)
-        return all(torch.equal(a, b) for a, b in zip(got, expected))
+        return all(torch.equal(a, b.movedim(0, 1)) for a, b in zip(got, expected))
 
     assert same_as_gathered(rows.kv(0, 0, slots[:20], k_cache, v_cache, torch.float32), slots[:20])
     # The request slot now holds another request's row (other slots): gathered again.
