@@ -5,7 +5,9 @@ the placeholder (system prompt, user-turn opener, instructions) is the *head*, t
 it closes the turn and opens the assistant's. Each piece is tokenized on its own, so a
 passage's tokens are the same wherever it lands, which is what lets its KV be reused. No BOS
 is added at chunk heads (the CacheBlend/CacheRepair layout); full prefill sees the very same
-token ids.
+token ids. `passage_bos` gives every passage its own BOS token instead (EPIC's released
+layout), in full prefill and compiled chunk alike: an ablation for `picrag bench quality`, not
+what the frontend serves.
 """
 
 from __future__ import annotations
@@ -69,10 +71,17 @@ def question_text(question: str) -> str:
 
 class PromptLayout:
     def __init__(self, tokenizer: Tokenizer, system_prompt: str = DEFAULT_SYSTEM_PROMPT,
-                 history: Sequence[dict] = ()):
+                 history: Sequence[dict] = (), passage_bos: bool = False):
         """`history`: earlier chat turns ({"role", "content"}), rendered into the head between
-        the system prompt and the final user turn that holds the documents and question."""
+        the system prompt and the final user turn that holds the documents and question.
+        `passage_bos`: every passage starts with the tokenizer's BOS token (module docstring)."""
         self.tokenizer = tokenizer
+        self.passage_prefix: list[int] = []
+        if passage_bos:
+            bos = getattr(tokenizer, "bos_token_id", None)
+            if bos is None:
+                raise PromptLayoutError("passage_bos: the tokenizer has no BOS token")
+            self.passage_prefix = [bos]
         messages = [{"role": "system", "content": system_prompt}, *history]
         placeholder = _placeholder(messages)
         try:
@@ -91,7 +100,7 @@ class PromptLayout:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def passage_ids(self, passage: PromptPassage) -> list[int]:
-        return self.encode(passage_text(passage))
+        return self.passage_prefix + self.encode(passage_text(passage))
 
     def question_ids(self, question: str) -> list[int]:
         return self.encode(question_text(question) + self.tail_text)

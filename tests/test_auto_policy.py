@@ -235,6 +235,10 @@ def test_bench_calibrate_pools_stored_runs_of_one_model(tmp_path, capsys):
     assert "different models (qwen2.5-coder-0.5b, smollm2-135m)" in capsys.readouterr().err
     assert main(["bench", "calibrate", str(tmp_path / "missing")]) == 1
     assert "is not a `picrag bench quality` results file" in capsys.readouterr().err
+    report = json.loads((short / "results.json").read_text())
+    (short / "results.json").write_text(json.dumps({**report, "settings": {"passage_bos": True}}))
+    assert main(["bench", "calibrate", str(short), str(long)]) == 1
+    assert "a --passage-bos run is not the layout the frontend serves" in capsys.readouterr().err
 
 
 def test_speed_order_takes_out_each_runs_prompt_length():

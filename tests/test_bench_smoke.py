@@ -36,6 +36,30 @@ def test_unrelated_distractors_keep_the_supporting_passages_in_place(shared_qa: 
             assert passage == old if supporting else passage in others
 
 
+def test_passage_bos_layout_starts_every_chunk_with_bos_and_changes_nothing_else(tokenizer, shared_qa: Path):
+    from retrieval.prompt_layout import PromptLayout, PromptLayoutError
+
+    row = read_rows(shared_qa / "hotpotqa.dev.jsonl", 1, 3)[0]
+    plain = PromptLayout(tokenizer).build(row.question, row.passages)
+    bos = PromptLayout(tokenizer, passage_bos=True).build(row.question, row.passages)
+    assert [bos.input_ids[start] for start, _ in bos.chunks] == [tokenizer.bos_token_id] * 3
+    # Take the BOS tokens out again and the standard layout's prompt and chunks come back.
+    assert [t for i, t in enumerate(bos.input_ids) if i not in {s for s, _ in bos.chunks}] == plain.input_ids
+    assert [(s - i, e - i - 1) for i, (s, e) in enumerate(bos.chunks)] == plain.chunks
+
+    class NoBos:
+        bos_token_id = None
+
+        def apply_chat_template(self, messages, **kwargs):
+            return "".join(m["content"] for m in messages)
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) for c in text]}
+
+    with pytest.raises(PromptLayoutError, match="no BOS token"):
+        PromptLayout(NoBos(), passage_bos=True)
+
+
 def test_split_gguf_is_assembled_in_order_and_hash_checked(tmp_path, monkeypatch):
     monkeypatch.setenv("PICRAG_HOME", str(tmp_path / "home"))
     parts = {f"pkg{i}": tmp_path / f"part0{i}.bin" for i in (1, 2, 3)}

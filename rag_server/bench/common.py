@@ -174,10 +174,10 @@ def model_path_of(url: str, model: str | None) -> Path:
     return path
 
 
-def load_layout(model_dir: Path) -> PromptLayout:
+def load_layout(model_dir: Path, passage_bos: bool = False) -> PromptLayout:
     from transformers import AutoTokenizer
 
-    return PromptLayout(AutoTokenizer.from_pretrained(model_dir))
+    return PromptLayout(AutoTokenizer.from_pretrained(model_dir), passage_bos=passage_bos)
 
 
 @dataclass

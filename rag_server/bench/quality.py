@@ -75,6 +75,7 @@ class QualityOptions:
     command: str = ""
     write_calibration: Path | None = None  # also write `auto`'s calibration table here
     unrelated_distractors: bool = False  # replace non-supporting passages by other questions'
+    passage_bos: bool = False  # every passage starts with BOS (EPIC's layout), in every policy's prompt
 
 
 @dataclass
@@ -170,6 +171,7 @@ class StoredRun:
     kl_method: str  # how the first-token KL was measured (the report's method field)
     results: list[QuestionResult]
     summary: dict[str, dict[str, Any]]
+    passage_bos: bool = False  # the BOS-per-passage ablation, not the layout the frontend serves
 
     @property
     def label(self) -> str:
@@ -185,7 +187,7 @@ def read_run(path: Path) -> StoredRun:
         results = [QuestionResult(**row) for row in report["per_question"]]
         return StoredRun(path=path, model=Path(report["model"]).name,
                          kl_method=report["method"]["first_token_kl"], results=results,
-                         summary=report["policies"])
+                         summary=report["policies"], passage_bos=report.get("settings", {}).get("passage_bos", False))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BenchError(f"{path} is not a `picrag bench quality` results file: {exc}") from exc
 
@@ -240,6 +242,9 @@ def calibration_from_runs(runs: list[StoredRun]) -> CalibrationTable:
     models = {run.model for run in runs}
     if len(models) > 1:
         raise BenchError(f"the runs are of different models ({', '.join(sorted(models))}); one table is one model's")
+    ablations = [str(run.path) for run in runs if run.passage_bos]
+    if ablations:
+        raise BenchError(f"{', '.join(ablations)}: a --passage-bos run is not the layout the frontend serves")
     methods = {run.kl_method for run in runs}
     if len(methods) > 1:
         raise BenchError("the runs measured the first-token KL differently and cannot be pooled: "
@@ -288,7 +293,7 @@ def run_quality(options: QualityOptions, progress: bool = True) -> dict[str, Any
 
     with server(options.url, options.model, options.port, options.out / "server.log") as url:
         model_dir = model_path_of(url, options.model)
-        layout = load_layout(model_dir)
+        layout = load_layout(model_dir, options.passage_bos)
         results: list[QuestionResult] = []
         failed: dict[str, str] = {}
         with httpx.Client(base_url=url, timeout=1800) as client:
@@ -319,7 +324,8 @@ def run_quality(options: QualityOptions, progress: bool = True) -> dict[str, Any
         "model": str(model_dir),
         "machine": machine_description(),
         "settings": {"max_tokens": options.max_tokens, "greedy": True, "max_passages": options.max_passages,
-                     "distractors": "unrelated" if options.unrelated_distractors else "dataset"},
+                     "distractors": "unrelated" if options.unrelated_distractors else "dataset",
+                     "passage_bos": options.passage_bos},
         "method": {
             "ttft": "client wall time to the first streamed token through the frontend's /generate "
                     "(chunk compile round trips included)",
@@ -361,6 +367,9 @@ def register(commands) -> None:
                          help="'unrelated': replace every passage the dataset does not mark supporting by a "
                          "passage of another question (seeded), to see what on-topic distractors cost a "
                          "policy (default: the dataset's own)")
+    quality.add_argument("--passage-bos", action="store_true",
+                         help="an ablation: every passage starts with the tokenizer's BOS token (EPIC's "
+                         "released layout), in full prefill and compiled chunk alike")
     quality.add_argument("--write-calibration", type=Path, default=None, metavar="FILE",
                          help="also write the `auto` policy's calibration table (mean KL per policy and "
                          "prompt size, policies by speed-up) for `picrag serve --calibration FILE`")
@@ -370,11 +379,14 @@ def register(commands) -> None:
 
 @reporting_errors("quality")
 def _main(args) -> int:
+    if args.passage_bos and args.write_calibration is not None:
+        raise BenchError("--write-calibration with --passage-bos: the ablation is not the layout the frontend serves")
     options = QualityOptions(
         dataset=args.dataset, policies=args.policies, out=args.out, limit=args.limit,
         max_passages=args.max_passages, max_tokens=args.max_tokens,
         url=args.url, model=args.model, port=args.port, command=command_line(),
         write_calibration=args.write_calibration, unrelated_distractors=args.distractors == "unrelated",
+        passage_bos=args.passage_bos,
     )
     report = run_quality(options)
     print((options.out / "results.md").read_text())
