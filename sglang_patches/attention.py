@@ -99,7 +99,8 @@ class DecodeRows:
     extended (`forget`): a new request in the same request slot always starts with an extend, and
     its slots may be ones the previous request freed, with new K/V in them. Rows of requests that
     are not in a decode batch are dropped (`keep_only`), so at most the running requests' K/V is
-    held twice.
+    held twice: outside SGLang's pool accounting, but never more than the pool's size plus each
+    row's growth margin (a quarter, at least 64 tokens).
     """
 
     def __init__(self) -> None:

@@ -20,7 +20,8 @@ def register(commands) -> None:
     calibrate = commands.add_parser(
         "calibrate", help="the `auto` policy's calibration table from stored `bench quality` runs",
         description="Pool the per-question first-token KLs of `bench quality` runs of one model into "
-        "one calibration table (mean KL per policy and prompt-size bucket, policies by mean speed-up).",
+        "one calibration table (mean KL per policy and prompt-size bucket, policies cheapest first by "
+        "speed-up over full with each run's prompt length taken out).",
     )
     calibrate.add_argument("runs", nargs="+", type=Path, metavar="RUN",
                            help="a run's results.json, or the folder holding it")
