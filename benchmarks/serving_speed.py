@@ -111,7 +111,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--streams", type=int, default=16, help="concurrent streams of the aggregate run")
+    parser.add_argument("--streams", type=int, default=16,
+                        help="concurrent streams of the aggregate run (0: no aggregate run)")
     parser.add_argument("--serve-args", default="", help="extra `picrag serve` arguments")
     args = parser.parse_args()
 
@@ -134,7 +135,7 @@ def main() -> None:
             for _ in range(args.repeats):
                 results["picrag serve (SGLang)"].append(served_run(client, ids, args.new_tokens))
                 results["transformers"].append(transformers_run(model, ids, args.new_tokens))
-            aggregate = concurrent_decode(url, stream_prompts, args.new_tokens)
+            aggregate = concurrent_decode(url, stream_prompts, args.new_tokens) if args.streams else None
 
     print(f"\nSmolLM2-135M fp32, CPU, {torch.get_num_threads()} threads, prompt {len(ids)} tokens, "
           f"{args.new_tokens} greedy tokens, median of {args.repeats}\n")
@@ -148,8 +149,9 @@ def main() -> None:
         print(f"| {name} | {prefill:.0f} | {decode:.1f} |")
     served, hf = medians["picrag serve (SGLang)"], medians["transformers"]
     print(f"\nratio served/transformers: prefill {served[0] / hf[0]:.2f}x, decode {served[1] / hf[1]:.2f}x")
-    print(f"{args.streams} concurrent streams: aggregate decode {aggregate:.1f} tokens/s, "
-          f"{aggregate / served[1]:.2f}x one stream's")
+    if aggregate is not None:
+        print(f"{args.streams} concurrent streams: aggregate decode {aggregate:.1f} tokens/s, "
+              f"{aggregate / served[1]:.2f}x one stream's")
 
 
 if __name__ == "__main__":
