@@ -15,6 +15,7 @@ import math
 import statistics
 from pathlib import Path
 
+from rag_server.bench.common import percentile
 from rag_server.bench.quality import read_run
 
 
@@ -24,8 +25,8 @@ def spread(kls: list[float], below: float) -> dict[str, float]:
     total = sum(ordered)
     return {
         "mean": statistics.fmean(ordered),
-        "median": statistics.median(ordered),
-        "p90": ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)],
+        "median": percentile(ordered, 50),
+        "p90": percentile(ordered, 90),  # as the bench tables' TTFT p90
         "worst_tenth_share": sum(worst) / total if total else 0.0,
         "below": sum(k < below for k in ordered) / len(ordered),
     }
