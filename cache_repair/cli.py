@@ -97,6 +97,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     train.add_argument("--kl-positions", type=int, default=defaults.kl_positions,
                        help="answer KL over the last N prompt positions: 1 = the first answer token, "
                        "0 = every question token (default %(default)s)")
+    train.add_argument("--init", type=Path, default=None, metavar="CKPT_DIR",
+                       help="start from this checkpoint's network and KV statistics (fine-tuning); it must be "
+                       "for the pairs' model and have the --width and --blocks given")
     train.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     train.add_argument("--model", default=None, metavar="PRESET|PATH",
                        help="the pairs' model if its folder moved (default: the one in the pairs manifest)")
@@ -194,7 +197,8 @@ def _train(args: argparse.Namespace) -> int:
                            residual_weight=args.residual_weight, kl_weight=args.kl_weight,
                            kl_positions=args.kl_positions)
     model_dir = resolve_model(args.model) if args.model else None
-    Trainer(args.pairs[0], args.out, options, model_dir, more_pairs=tuple(args.pairs[1:])).run(resume=args.resume)
+    Trainer(args.pairs[0], args.out, options, model_dir, more_pairs=tuple(args.pairs[1:]),
+            init=args.init).run(resume=args.resume)
     return 0
 
 

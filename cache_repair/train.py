@@ -11,6 +11,9 @@ Training may draw on several pairs folders made for the same model and serving h
 example random and retrieved distractors): their training splits are pooled; the first folder
 gives the validation split and the normalisation statistics (only scales, so one folder's serve
 for all).
+A run may start from a trained checkpoint (`init`, fine-tuning: for example the answer term on
+top of a network trained on the residual alone): its weights, geometry and statistics, the last
+because the network's outputs are in the coordinates they define.
 The out dir holds a resumable training state
 (train_state.pt: network, optimizer, scheduler, step, statistics) written at every
 validation, and at the end the checkpoint that serving loads (`sglang_patches.repair.checkpoint`).
@@ -37,7 +40,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from sglang_patches.repair.checkpoint import save_checkpoint
+from sglang_patches.repair.checkpoint import load_repairer, save_checkpoint
 from sglang_patches.repair.config import RepairConfig, TrainOptions, read_token_embedding
 from sglang_patches.repair.network import RepairNetwork, in_precision
 from sglang_patches.repair.normalization import CONTEXT_FREE_RATIO, KVStats, KVStatsAccumulator
@@ -217,6 +220,7 @@ class Trainer:
     options: TrainOptions
     model_dir: Path | None = None
     more_pairs: tuple[Path, ...] = ()  # further folders whose training splits are pooled in
+    init: Path | None = None  # a checkpoint to start from instead of a fresh network
     history: list[dict[str, Any]] = field(default_factory=list)
 
     def run(self, resume: bool = False) -> Evaluation:
@@ -229,11 +233,15 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         state_path = self.out / STATE_FILE
         state = self._load_state(state_path, resume)
-        stats = (KVStats.from_tensors(state["stats"]) if state
-                 else training_stats(self.pairs_dir, shard_paths(self.pairs_dir, "train")))
-
+        embedding = read_token_embedding(model_dir)
         torch.manual_seed(self.options.seed)
-        network = RepairNetwork(config, read_token_embedding(model_dir))
+        network = RepairNetwork(config, embedding)
+        if state:
+            stats = KVStats.from_tensors(state["stats"])
+        elif self.init:
+            stats = self._start_from(self.init, network, embedding, fingerprint)
+        else:
+            stats = training_stats(self.pairs_dir, shard_paths(self.pairs_dir, "train"))
         optimizer = torch.optim.AdamW(network.parameters(), lr=self.options.lr, betas=(0.9, 0.95), weight_decay=0.01)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, self.options))
         start = 0
@@ -274,7 +282,7 @@ class Trainer:
         final = final or evaluate(network, stats, val_paths, reader)
         summary = {
             "steps": self.options.steps, "options": asdict(self.options), "pairs": self._pairs_names(),
-            "train_groups": len(train_paths), "val_groups": len(val_paths),
+            "init": str(self.init) if self.init else None, "train_groups": len(train_paths), "val_groups": len(val_paths),
             "final_train_loss": self.history[-1]["train_loss"] if self.history else None,
             "final_val_loss": final.loss, "val_relative_error": final.to_dict(),
             "trainable_parameters": network.trainable_parameters(),
@@ -283,6 +291,19 @@ class Trainer:
         logger.info("checkpoint written to %s (val loss %.4f, relative error K %.3f V %.3f%s)",
                     self.out, final.loss, final.overall_k, final.overall_v, _answer_text(final))
         return final
+
+    def _start_from(self, init: Path, network: RepairNetwork, embedding: torch.Tensor, fingerprint: str) -> KVStats:
+        """Load `init`'s weights into `network`; its statistics (refused for another model or
+        another network geometry)."""
+        trained = load_repairer(init, embedding, fingerprint)
+        mine, theirs = network.config.to_dict(), trained.config.to_dict()
+        differ = sorted(key for key in mine if mine[key] != theirs.get(key))
+        if differ:
+            raise TrainError(f"--init {init} has another network geometry ("
+                             + ", ".join(f"{key} {theirs.get(key)} here {mine[key]}" for key in differ) + ")")
+        network.load_state_dict(trained.network.state_dict())
+        logger.info("starting from the network and KV statistics of %s", init)
+        return trained.stats
 
     def _pairs_names(self) -> list[str]:
         return [str(d) for d in (self.pairs_dir, *self.more_pairs)]
@@ -319,6 +340,8 @@ class Trainer:
         state = torch.load(path, map_location="cpu", weights_only=True)
         if state.get("pairs", [str(self.pairs_dir)]) != self._pairs_names():
             raise TrainError(f"--resume with other pairs than the saved run's ({', '.join(state['pairs'])})")
+        if state.get("init") != (str(self.init) if self.init else None):
+            raise TrainError(f"--resume with another --init than the saved run's ({state.get('init')})")
         if state["options"] != asdict(self.options):
             changed = sorted(k for k, v in asdict(self.options).items() if state["options"].get(k) != v)
             raise TrainError(f"--resume with other options than the saved run ({', '.join(changed)}); "
@@ -329,7 +352,8 @@ class Trainer:
                     scheduler: torch.optim.lr_scheduler.LRScheduler, stats: KVStats, step: int) -> None:
         state = {"network": network.state_dict(), "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(), "stats": stats.tensors(), "step": step,
-                 "options": asdict(self.options), "pairs": self._pairs_names(), "history": self.history}
+                 "options": asdict(self.options), "pairs": self._pairs_names(), "history": self.history,
+                 "init": str(self.init) if self.init else None}
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         torch.save(state, tmp)
         os.replace(tmp, path)

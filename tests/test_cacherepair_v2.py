@@ -14,6 +14,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from cache_repair.answer_loss import FrozenReader, answer_kl
 from cache_repair.groups import GroupsError, GroupShape, plan_groups, read_qa_rows
@@ -347,3 +348,32 @@ def test_training_pools_the_training_splits_of_several_pairs_folders(serving_pai
     (foreign / "manifest.json").write_text(json.dumps({**manifest, "model_fingerprint": "another-model"}))
     with pytest.raises(TrainError, match="model_fingerprint"):
         pooled_train_paths(out, (foreign,))
+
+
+def test_training_can_start_from_a_checkpoint(serving_pairs, tiny_model_dir, tmp_path, capsys):
+    out, _ = serving_pairs
+    tiny = ("--model", tiny_model_dir, "--warmup", 1, "--width", 16, "--blocks", 1)
+    first = tmp_path / "first"
+    assert repair_cli("repair", "train", "--pairs", out, "--out", first, "--steps", 4, "--val-every", 4, *tiny) == 0
+    # At learning rate 0 a run from `first` must leave its weights and statistics as they were.
+    again = tmp_path / "again"
+    assert repair_cli("repair", "train", "--pairs", out, "--out", again, "--steps", 2, "--val-every", 2,
+                      "--lr", 0.0, "--init", first, "--kl-weight", 1.0, *tiny) == 0
+    for name in ("weights.safetensors", "kv_stats.safetensors"):
+        before, after = load_file(first / name), load_file(again / name)
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert json.loads((again / "config.json").read_text())["training"]["init"] == str(first)
+    # At the default rate the weights move.
+    tuned = tmp_path / "tuned"
+    assert repair_cli("repair", "train", "--pairs", out, "--out", tuned, "--steps", 2, "--val-every", 2,
+                      "--init", first, *tiny) == 0
+    assert not all(torch.equal(a, b) for a, b in zip(load_file(first / "weights.safetensors").values(),
+                                                      load_file(tuned / "weights.safetensors").values()))
+    capsys.readouterr()
+    # Another geometry, and a resume from another starting point, are refused before any step.
+    assert repair_cli("repair", "train", "--pairs", out, "--out", tmp_path / "wide", "--steps", 2, "--init", first,
+                      "--model", tiny_model_dir, "--width", 32, "--blocks", 1) == 1
+    assert "another network geometry (width 16 here 32)" in capsys.readouterr().err
+    assert repair_cli("repair", "train", "--pairs", out, "--out", tuned, "--steps", 2, "--val-every", 2,
+                      "--resume", *tiny) == 1
+    assert "another --init" in capsys.readouterr().err
