@@ -282,7 +282,7 @@ class Trainer:
         final = final or evaluate(network, stats, val_paths, reader)
         summary = {
             "steps": self.options.steps, "options": asdict(self.options), "pairs": self._pairs_names(),
-            "init": str(self.init) if self.init else None, "train_groups": len(train_paths), "val_groups": len(val_paths),
+            "init": self._init_name(), "train_groups": len(train_paths), "val_groups": len(val_paths),
             "final_train_loss": self.history[-1]["train_loss"] if self.history else None,
             "final_val_loss": final.loss, "val_relative_error": final.to_dict(),
             "trainable_parameters": network.trainable_parameters(),
@@ -300,10 +300,13 @@ class Trainer:
         differ = sorted(key for key in mine if mine[key] != theirs.get(key))
         if differ:
             raise TrainError(f"--init {init} has another network geometry ("
-                             + ", ".join(f"{key} {theirs.get(key)} here {mine[key]}" for key in differ) + ")")
+                             + "; ".join(f"{key}: {theirs.get(key)} there, {mine[key]} here" for key in differ) + ")")
         network.load_state_dict(trained.network.state_dict())
         logger.info("starting from the network and KV statistics of %s", init)
         return trained.stats
+
+    def _init_name(self) -> str | None:
+        return str(self.init) if self.init else None
 
     def _pairs_names(self) -> list[str]:
         return [str(d) for d in (self.pairs_dir, *self.more_pairs)]
@@ -340,7 +343,7 @@ class Trainer:
         state = torch.load(path, map_location="cpu", weights_only=True)
         if state.get("pairs", [str(self.pairs_dir)]) != self._pairs_names():
             raise TrainError(f"--resume with other pairs than the saved run's ({', '.join(state['pairs'])})")
-        if state.get("init") != (str(self.init) if self.init else None):
+        if state.get("init") != self._init_name():
             raise TrainError(f"--resume with another --init than the saved run's ({state.get('init')})")
         if state["options"] != asdict(self.options):
             changed = sorted(k for k, v in asdict(self.options).items() if state["options"].get(k) != v)
@@ -353,7 +356,7 @@ class Trainer:
         state = {"network": network.state_dict(), "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(), "stats": stats.tensors(), "step": step,
                  "options": asdict(self.options), "pairs": self._pairs_names(), "history": self.history,
-                 "init": str(self.init) if self.init else None}
+                 "init": self._init_name()}
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         torch.save(state, tmp)
         os.replace(tmp, path)

@@ -373,7 +373,7 @@ def test_training_can_start_from_a_checkpoint(serving_pairs, tiny_model_dir, tmp
     # Another geometry, and a resume from another starting point, are refused before any step.
     assert repair_cli("repair", "train", "--pairs", out, "--out", tmp_path / "wide", "--steps", 2, "--init", first,
                       "--model", tiny_model_dir, "--width", 32, "--blocks", 1) == 1
-    assert "another network geometry (width 16 here 32)" in capsys.readouterr().err
+    assert "another network geometry (width: 16 there, 32 here)" in capsys.readouterr().err
     assert repair_cli("repair", "train", "--pairs", out, "--out", tuned, "--steps", 2, "--val-every", 2,
                       "--resume", *tiny) == 1
     assert "another --init" in capsys.readouterr().err
