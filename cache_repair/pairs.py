@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from sglang_patches.repair.config import RepairConfig, read_hf_config
+from sglang_patches.repair.network import chunk_ids_for
 from retrieval.prompt_layout import PromptLayout, PromptPassage
 from sglang_patches.model_fingerprint import model_fingerprint
 from sglang_patches.rope_shift import KeyShifter
@@ -191,7 +192,7 @@ class PairMaker:
             stale_k=torch.cat([k for k, _ in stale]), stale_v=torch.cat([v for _, v in stale]),
             target_k=joint_k, target_v=joint_v,
             token_ids=torch.tensor([t for ids in passages_ids for t in ids], dtype=torch.int64),
-            chunk_ids=torch.cat([torch.full((len(ids),), i, dtype=torch.int64) for i, ids in enumerate(passages_ids)]),
+            chunk_ids=chunk_ids_for([len(ids) for ids in passages_ids]),
         )
 
 

@@ -42,6 +42,7 @@ from cache_repair.pairs import (
     shard_name,
 )
 from sglang_patches.model_fingerprint import model_fingerprint
+from sglang_patches.repair.network import chunk_ids_for
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class ServingPairs:
         keys, values, logits = self.maker.prefill(head + flat + question, start, end, logits_from=end)
         exact = {
             "token_ids": torch.tensor(flat, dtype=torch.int64),
-            "chunk_ids": torch.cat([torch.full((len(ids),), i, dtype=torch.int64) for i, ids in enumerate(chunks)]),
+            "chunk_ids": chunk_ids_for([len(ids) for ids in chunks]),
             "question_ids": torch.tensor(question, dtype=torch.int64),
             "teacher_logits": logits,
         }

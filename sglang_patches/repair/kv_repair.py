@@ -29,6 +29,8 @@ from typing import Optional
 
 import torch
 
+from sglang_patches.repair.network import chunk_ids_for
+
 logger = logging.getLogger(__name__)
 
 REPAIR_CHECKPOINT_ENV = "PICRAG_REPAIR_CHECKPOINT"
@@ -80,7 +82,7 @@ def repair_spans(repairer, kv_pool, shifter, spans: list[RepairSpan]) -> int:
         torch.stack([kv_pool.get_key_buffer(layer).index_select(0, slots) for layer in layers], dim=1), to_rope_free)
     stale_v = torch.stack([kv_pool.get_value_buffer(layer).index_select(0, slots) for layer in layers], dim=1)
     token_ids = torch.tensor([t for span in spans for t in span.token_ids], dtype=torch.int64)
-    chunk_ids = torch.cat([torch.full((len(span.stored_slots),), i, dtype=torch.int64) for i, span in enumerate(spans)])
+    chunk_ids = chunk_ids_for([len(span.stored_slots) for span in spans])
     res_k, res_v = repairer.residual(stale_k, stale_v, token_ids, chunk_ids)
 
     rows, dst, positions = [], [], []

@@ -22,6 +22,13 @@ from sglang_patches.repair.config import RepairConfig
 from sglang_patches.repair.normalization import KVStats
 
 
+def chunk_ids_for(lengths: list[int]) -> torch.Tensor:
+    """The network's chunk ids for chunks of these lengths, concatenated in prompt order: [T]
+    int64, each token the index of its chunk (training pairs and serving build them alike)."""
+    return torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int64),
+                                   torch.tensor(lengths, dtype=torch.int64))
+
+
 def chunk_attention_mask(chunk_ids: torch.Tensor) -> torch.Tensor:
     """[T, T] bool, True where token i may attend to token j: chunk_ids[j] <= chunk_ids[i]."""
     return chunk_ids[None, :] <= chunk_ids[:, None]
