@@ -239,7 +239,7 @@ class Trainer:
         if state:
             stats = KVStats.from_tensors(state["stats"])
         elif self.init:
-            stats = self._start_from(self.init, network, embedding, fingerprint)
+            stats = self._start_from(network, embedding, fingerprint)
         else:
             stats = training_stats(self.pairs_dir, shard_paths(self.pairs_dir, "train"))
         optimizer = torch.optim.AdamW(network.parameters(), lr=self.options.lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -292,9 +292,10 @@ class Trainer:
                     self.out, final.loss, final.overall_k, final.overall_v, _answer_text(final))
         return final
 
-    def _start_from(self, init: Path, network: RepairNetwork, embedding: torch.Tensor, fingerprint: str) -> KVStats:
-        """Load `init`'s weights into `network`; its statistics (refused for another model or
-        another network geometry)."""
+    def _start_from(self, network: RepairNetwork, embedding: torch.Tensor, fingerprint: str) -> KVStats:
+        """Load `self.init`'s weights into `network`; its statistics (refused for another model
+        or another network geometry)."""
+        init = self.init
         trained = load_repairer(init, embedding, fingerprint)
         mine, theirs = network.config.to_dict(), trained.config.to_dict()
         differ = sorted(key for key in mine if mine[key] != theirs.get(key))
