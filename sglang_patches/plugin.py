@@ -19,7 +19,8 @@ SGLang calls `register` early in its main, scheduler and detokenizer processes. 
 * a hook on the tokenizer manager's per-request validation that refuses token ids outside the
   vocabulary and picrag hints the engine does not admit (sglang_patches.request_guard);
 * a hook that reports the chunk cache's start-up re-rotation check in `/server_info`
-  (sglang_patches.selfcheck).
+  (sglang_patches.selfcheck);
+* a hook that applies RoPE on CPU with cos/sin gathered once per forward (sglang_patches.rotary).
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def register() -> None:
 
     from sglang_patches import (
         attention, batch_annotations, cacheblend, first_token_report, flashinfer_attention, link_admission,
-        meta_info, positions, request_guard, selfcheck,
+        meta_info, positions, request_guard, rotary, selfcheck,
     )
 
     if get_radix_cache_factory(RADIX_CACHE_BACKEND) is None:
@@ -123,3 +124,4 @@ def register() -> None:
     request_guard.register()
     link_admission.register()
     selfcheck.register()
+    rotary.register()

@@ -7,8 +7,9 @@ import os
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 import sglang
+import torch
 
-from sglang_patches import first_token_report, link_admission, meta_info, plugin, request_guard
+from sglang_patches import first_token_report, link_admission, meta_info, plugin, request_guard, rotary
 
 
 def resolve(dotted: str):
@@ -30,6 +31,17 @@ def test_hooked_method_signature():
     # Every generation forward's results pass here, the logits row of each request still held.
     assert list(inspect.signature(resolve(first_token_report.HOOK_TARGET)).parameters) == [
         "self", "batch_result", "batch"]
+
+
+def test_the_rotary_picrag_wraps_and_the_dispatch_that_reaches_it_on_cpu():
+    """sglang_patches.rotary wraps forward_native, which SGLang's CPU dispatch calls without sgl-kernel's AMX op."""
+    from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
+
+    assert list(inspect.signature(resolve(rotary.HOOK_TARGET)).parameters) == [
+        "self", "positions", "query", "key", "offsets", "fused_set_kv_buffer_arg"]
+    assert "self.forward_native(" in inspect.getsource(RotaryEmbedding.forward_cpu)
+    for name in ("cos_sin_cache", "head_size", "rotary_dim", "is_neox_style"):
+        assert hasattr(RotaryEmbedding(64, 64, 64, 10000, True, torch.float32), name)
 
 
 def test_the_intake_abort_picrag_refuses_a_link_with():
