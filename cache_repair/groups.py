@@ -4,11 +4,12 @@ A group is one request as the server would build it: `[head][passage 1]...[passa
 + tail]` with k drawn from [min_passages, max_passages]. Every group is built around one NQ row
 whose gold passage is in the group at a random place, so the question is a real one the
 passages can answer; the other passages are gold passages of other rows, acting as the
-distractors retrieval returns, or (retrieved distractors only) passages of a larger pool that
-carry no question (`cache_repair.distractor_pool`). With `distractors="retrieved"` they are what retrieval would
+distractors retrieval returns. With `distractors="retrieved"` they are what retrieval would
 return: the passages most similar to the question (sentence embeddings, the retriever's model),
 so, as in the dev sets' distractor settings, they are on the question's topic and attend to one
 another the way served passages do; with `"random"` they are any other rows' passages.
+Retrieved distractors may also come from a larger pool of passages that carry no question
+(`cache_repair.distractor_pool`).
 
 Each passage has one fixed length cap for the whole plan (a chunk's tokens, and so its stale
 KV, are the same in every request that uses it, as in the chunk store); about half of them are
