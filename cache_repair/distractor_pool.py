@@ -47,7 +47,11 @@ def _split(text: str) -> PromptPassage:
 
 def _passages(source: str) -> list[str]:
     # Imported here: `picrag --help` lists POOLS, and the corpus module pulls in the index.
-    from retrieval.default_corpus import package_file
+    from retrieval.default_corpus import DefaultCorpusError, package_file
 
-    with package_file(source).open(encoding="utf-8") as lines:
+    try:
+        path = package_file(source)
+    except DefaultCorpusError as exc:  # a user error `picrag repair` reports in one line
+        raise ValueError(f"distractor pool: {exc}") from None
+    with path.open(encoding="utf-8") as lines:
         return [json.loads(line)["passage"].strip() for line in lines if line.strip()]

