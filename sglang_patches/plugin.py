@@ -20,7 +20,9 @@ SGLang calls `register` early in its main, scheduler and detokenizer processes. 
   vocabulary and picrag hints the engine does not admit (sglang_patches.request_guard);
 * a hook that reports the chunk cache's start-up re-rotation check in `/server_info`
   (sglang_patches.selfcheck);
-* a hook that applies RoPE on CPU with cos/sin gathered once per forward (sglang_patches.rotary).
+* a hook that applies RoPE on CPU with cos/sin gathered once per forward (sglang_patches.rotary);
+* hooks that run CPU decode steps without SGLang's per-layer boundary objects
+  (sglang_patches.lean_decode).
 """
 
 from __future__ import annotations
@@ -108,8 +110,8 @@ def register() -> None:
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
     from sglang_patches import (
-        attention, batch_annotations, cacheblend, first_token_report, flashinfer_attention, link_admission,
-        meta_info, positions, request_guard, rotary, selfcheck,
+        attention, batch_annotations, cacheblend, first_token_report, flashinfer_attention, lean_decode,
+        link_admission, meta_info, positions, request_guard, rotary, selfcheck,
     )
 
     if get_radix_cache_factory(RADIX_CACHE_BACKEND) is None:
@@ -125,3 +127,4 @@ def register() -> None:
     link_admission.register()
     selfcheck.register()
     rotary.register()
+    lean_decode.register()

@@ -9,7 +9,7 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 import sglang
 import torch
 
-from sglang_patches import first_token_report, link_admission, meta_info, plugin, request_guard, rotary
+from sglang_patches import first_token_report, lean_decode, link_admission, meta_info, plugin, request_guard, rotary
 
 
 def resolve(dotted: str):
@@ -42,6 +42,25 @@ def test_the_rotary_picrag_wraps_and_the_dispatch_that_reaches_it_on_cpu():
     assert "self.forward_native(" in inspect.getsource(RotaryEmbedding.forward_cpu)
     for name in ("cos_sin_cache", "head_size", "rotary_dim", "is_neox_style"):
         assert hasattr(RotaryEmbedding(64, 64, 64, 10000, True, torch.float32), name)
+
+
+def test_the_model_forwards_lean_decode_replaces_on_cpu_decode_steps():
+    """sglang_patches.lean_decode re-runs these models' layers in the order their boundaries do:
+    embedding, then per layer input norm, attention, post-attention norm, MLP, then the final norm."""
+    for target in lean_decode.HOOK_TARGETS:
+        model_forward = resolve(target)
+        assert list(inspect.signature(model_forward).parameters) == [
+            "self", "input_ids", "positions", "forward_batch", "input_embeds", "pp_proxy_tensors"]
+        source = inspect.getsource(model_forward)
+        for line in ("hidden_states = self.embed_tokens(input_ids)", "residual_batch.final_norm(",
+                     "self.layers_to_capture", "range(self.start_layer, self.end_layer)"):
+            assert line in source, (target, line)
+        layer_source = inspect.getsource(resolve(target.replace("Model.forward", "DecoderLayer.forward")))
+        order = ["self.attn_boundary.prepare(", "self.self_attn(", "self.attn_boundary.finish(",
+                 "self.ffn_boundary.prepare(", "self.mlp(", "self.ffn_boundary.finish("]
+        assert [layer_source.index(step) for step in order] == sorted(layer_source.index(step) for step in order)
+        init_source = inspect.getsource(resolve(target.replace("Model.forward", "DecoderLayer.__init__")))
+        assert "(attn, self.input_layernorm)" in init_source and "(ffn, self.post_attention_layernorm)" in init_source
 
 
 def test_the_intake_abort_picrag_refuses_a_link_with():
