@@ -1,5 +1,6 @@
 """picrag's lean CPU decode step (sglang_patches.lean_decode): SGLang's arithmetic, bit for bit
-where it is rewritten, and a served decode that agrees with SGLang's own prefill."""
+where it is rewritten, only where it applies, and a served decode that agrees with SGLang's own
+prefill."""
 
 from __future__ import annotations
 
@@ -45,8 +46,20 @@ def test_only_plain_float32_norms_take_the_lean_path():
     assert not lean_decode._plain_norm(sglang_rms_norm().to(torch.bfloat16))
 
 
-def fake_model(norm: RMSNorm, layers: int = 2):
-    layer = lambda: SimpleNamespace(input_layernorm=norm, post_attention_layernorm=norm)  # noqa: E731
+def fake_linear(quant_method=None, dtype=torch.float32):
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    return SimpleNamespace(quant_method=quant_method or UnquantizedLinearMethod(), skip_bias_add=False,
+                           weight=torch.zeros(2, 2, dtype=dtype), bias=None)
+
+
+def fake_model(norm: RMSNorm, layers: int = 2, down_proj=None):
+    def layer():
+        attn = SimpleNamespace(qkv_proj=fake_linear(), o_proj=fake_linear())
+        mlp = SimpleNamespace(gate_up_proj=fake_linear(), down_proj=down_proj or fake_linear(),
+                              dual_gemm=SimpleNamespace(mode=None), activation_quant=SimpleNamespace(enabled=False))
+        return SimpleNamespace(input_layernorm=norm, post_attention_layernorm=norm, self_attn=attn, mlp=mlp)
+
     return SimpleNamespace(embed_tokens=torch.nn.Embedding(8, HIDDEN), norm=norm, layers=[layer() for _ in range(layers)],
                            start_layer=0, end_layer=layers, layers_to_capture=[])
 
@@ -55,10 +68,12 @@ def fake_batch(decode: bool = True, lora_ids=None):
     return SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: decode), lora_ids=lora_ids)
 
 
-def test_applies_to_decode_steps_of_a_one_process_float32_model_only():
+def test_applies_to_decode_steps_of_a_one_process_float32_model_only(monkeypatch):
     from sglang.srt.runtime_context import get_parallel
 
     ids = torch.tensor([1, 2])
+    # SGLang publishes its execution settings in the server only; here RL on-policy mode is off.
+    monkeypatch.setattr(lean_decode, "_rl_on_policy", lambda: False)
     with get_parallel().override(tp_size=1, pp_size=1, dp_size=1):
         model = fake_model(sglang_rms_norm())
         assert lean_decode.applies(model, ids, fake_batch(), None, None)
@@ -68,10 +83,17 @@ def test_applies_to_decode_steps_of_a_one_process_float32_model_only():
         assert not lean_decode.applies(model, ids, fake_batch(), torch.zeros(2, HIDDEN), None)
         assert not lean_decode.applies(model, ids[:0], fake_batch(), None, None)
         assert not lean_decode.applies(fake_model(sglang_rms_norm(fp32_residual=True)), ids, fake_batch(), None, None)
+        assert not lean_decode.applies(fake_model(sglang_rms_norm(), down_proj=fake_linear(dtype=torch.bfloat16)),
+                                       ids, fake_batch(), None, None)
+        assert not lean_decode.applies(fake_model(sglang_rms_norm(), down_proj=fake_linear(quant_method=object())),
+                                       ids, fake_batch(), None, None)
         captured = fake_model(sglang_rms_norm())
         captured.layers_to_capture = [1]
         assert not lean_decode.applies(captured, ids, fake_batch(), None, None)
     with get_parallel().override(tp_size=2, pp_size=1, dp_size=1):
+        assert not lean_decode.applies(fake_model(sglang_rms_norm()), ids, fake_batch(), None, None)
+    monkeypatch.setattr(lean_decode, "_rl_on_policy", lambda: True)
+    with get_parallel().override(tp_size=1, pp_size=1, dp_size=1):
         assert not lean_decode.applies(fake_model(sglang_rms_norm()), ids, fake_batch(), None, None)
 
 

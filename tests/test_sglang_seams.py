@@ -61,6 +61,23 @@ def test_the_model_forwards_lean_decode_replaces_on_cpu_decode_steps():
         assert [layer_source.index(step) for step in order] == sorted(layer_source.index(step) for step in order)
         init_source = inspect.getsource(resolve(target.replace("Model.forward", "DecoderLayer.__init__")))
         assert "(attn, self.input_layernorm)" in init_source and "(ffn, self.post_attention_layernorm)" in init_source
+        # lean_decode._attention and its MLP line: what these modules compute on a CPU decode step.
+        attention = inspect.getsource(resolve(target.replace("Model.forward", "Attention.forward")))
+        if "forward_prepare_native" in attention:  # Llama keeps its projection and RoPE apart
+            attention += inspect.getsource(resolve(target.replace("Model.forward", "Attention.forward_prepare_native")))
+        for line in ("qkv, _ = self.qkv_proj(hidden_states)",
+                     "q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)",
+                     "q, k = self.rotary_emb(positions, q, k)", "self.attn(q, k, v, forward_batch)",
+                     "output, _ = self.o_proj(attn_output)"):
+            assert line in attention, (target, line)
+        mlp = inspect.getsource(resolve(target.replace("Model.forward", "MLP.forward")))
+        for line in ("gate_up, _ = self.gate_up_proj(x)", "self.activation_quant.forward_decode(",
+                     "x, _ = self.down_proj(x"):
+            assert line in mlp, (target, line)
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    # What lean_decode._linear stands for: the unquantised method's last resort on CPU.
+    assert inspect.getsource(UnquantizedLinearMethod.apply).rstrip().endswith("return F.linear(x, layer.weight, bias)")
 
 
 def test_the_intake_abort_picrag_refuses_a_link_with():
