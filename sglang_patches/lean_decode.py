@@ -79,7 +79,8 @@ def _rl_on_policy() -> bool:
 
 
 def _layers(model):
-    return model.layers[model.start_layer:model.end_layer]
+    # Indexed, as SGLang's own loop does: slicing a ModuleList builds a new one every forward.
+    return (model.layers[index] for index in range(model.start_layer, model.end_layer))
 
 
 def _has_lora(forward_batch) -> bool:
