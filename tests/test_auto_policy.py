@@ -271,3 +271,37 @@ def test_auto_never_picks_a_policy_the_self_check_refuses(tokenizer, tmp_path):
     # full, chosen by auto itself: not a reuse policy the gate then serves as something else.
     assert plan.request.policy.name == "full" and plan.warnings == []
     assert plan.policy_reason.startswith("auto: full (no policy within target inf")
+
+
+def test_bench_calibrate_refuses_runs_repaired_with_another_checkpoint(tmp_path, capsys):
+    from rag_server.cli import main
+    from sglang_patches.file_digest import file_sha256
+
+    rows = [("full", 1200, 0.0, 4.0), ("naive", 1200, 0.6, 0.5), ("cacherepair", 1200, 0.2, 0.7)]
+    shipped_digest = file_sha256(SHIPPED_DIR / "smollm2-135m" / "weights.safetensors")
+    for name, digest in (("shipped", shipped_digest), ("trial", "0" * 64)):
+        run = _stored_run(tmp_path / name, "smollm2-135m", "exact", rows)
+        report = json.loads((run / "results.json").read_text())
+        record = {"path": f"/ckpt/{name}", "weights_sha256": digest, "width": 128, "blocks": 4, "training_steps": 9}
+        (run / "results.json").write_text(json.dumps({**report, "repair_checkpoint": record}))
+    capsys.readouterr()
+    assert main(["bench", "calibrate", str(tmp_path / "shipped"), "--out", str(tmp_path / "t.json")]) == 0
+    assert main(["bench", "calibrate", str(tmp_path / "shipped"), str(tmp_path / "trial")]) == 1
+    err = capsys.readouterr().err
+    assert "trial" in err and "/ckpt/trial" in err and "other than the one shipped for smollm2-135m" in err
+    assert "/ckpt/shipped" not in err
+
+
+def test_bench_quality_refuses_a_repair_checkpoint_it_would_not_serve(tmp_path, capsys):
+    from rag_server.bench.common import BenchError
+    from rag_server.bench.quality import QualityOptions, run_quality
+    from rag_server.cli import main
+
+    with pytest.raises(BenchError, match="the one at --url serves its own"):
+        run_quality(QualityOptions(dataset=tmp_path / "none.jsonl", policies="cacherepair", out=tmp_path / "out",
+                                   url="http://127.0.0.1:9", repair_checkpoint=tmp_path / "ckpt"), progress=False)
+    assert not (tmp_path / "out").exists()
+    capsys.readouterr()
+    assert main(["bench", "quality", "--dataset", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "out"),
+                 "--repair-checkpoint", str(tmp_path / "ckpt"), "--write-calibration", str(tmp_path / "t.json")]) == 1
+    assert "describes the shipped checkpoint" in capsys.readouterr().err

@@ -17,9 +17,11 @@ from cache_repair import pairs as pairs_module
 from sglang_patches.repair.checkpoint import (
     RepairCheckpointError,
     RepairCheckpointMismatch,
+    checkpoint_identity,
     load_repairer,
     save_checkpoint,
 )
+from sglang_patches.file_digest import file_sha256
 from cache_repair.cli import register
 from sglang_patches.repair.config import RepairConfig, read_token_embedding
 from sglang_patches.repair.network import KVRepairer, RepairNetwork
@@ -171,6 +173,19 @@ def test_checkpoint_round_trip_and_refusals(tmp_path):
     (tmp_path / "weights.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(RepairCheckpointError, match="corrupt"):
         load_repairer(tmp_path, embedding, "fingerprint-a")
+
+
+def test_checkpoint_identity_names_the_weights_that_ran(tmp_path):
+    save_checkpoint(tmp_path / "a", tiny_network(randomise=True), TINY, tiny_stats(), "fp", {"steps": 3})
+    identity = checkpoint_identity(tmp_path / "a")
+    assert identity == {"path": str((tmp_path / "a").resolve()),
+                        "weights_sha256": file_sha256(tmp_path / "a" / "weights.safetensors"),
+                        "width": TINY.width, "blocks": TINY.blocks, "training_steps": 3}
+    # A second training into the same folder differs only in its weights, and the record says so.
+    save_checkpoint(tmp_path / "a", tiny_network(randomise=False), TINY, tiny_stats(), "fp", {"steps": 3})
+    assert checkpoint_identity(tmp_path / "a")["weights_sha256"] != identity["weights_sha256"]
+    with pytest.raises(RepairCheckpointError, match="no CacheRepair checkpoint"):
+        checkpoint_identity(tmp_path / "missing")
 
 
 def test_scaled_rope_is_refused():

@@ -329,11 +329,14 @@ def server(url: str | None, model: str | None, port: int, log: Path,
     if url is not None:
         yield url.rstrip("/")
         return
-    from rag_server.launch.serve_process import start_picrag_serve
+    from rag_server.launch.serve_process import ServeStartError, start_picrag_serve
 
     args = (["--model", model] if model else []) + list(serve_args)
     logger.info("starting picrag serve on port %d (log %s)", port, log)
-    process = start_picrag_serve(port, args, log)
+    try:
+        process = start_picrag_serve(port, args, log)
+    except ServeStartError as exc:
+        raise BenchError(str(exc)) from exc
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

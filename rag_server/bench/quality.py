@@ -51,11 +51,13 @@ from rag_server.bench.common import (
     with_unrelated_distractors,
 )
 from rag_server.bench.scoring import score_answer
-from rag_server.launch.repair_checkpoint import SHIPPED_DIR
+from rag_server.launch.repair_checkpoint import SHIPPED_DIR, choose_repair_checkpoint
 from rag_server.service.auto_policy import CalibrationTable
 from rag_server.service.first_token_quality import BUCKET_BOUNDS, bucket_labels, size_bucket
 from sglang_patches.first_token_report import exact_kl
 from sglang_patches.policies import parse_policy
+from sglang_patches.file_digest import file_sha256
+from sglang_patches.repair.checkpoint import WEIGHTS_FILE, checkpoint_identity
 
 REFERENCE = "full"
 NAIVE = "naive"  # the KL every other policy's is measured against: reuse with no correction
@@ -76,6 +78,7 @@ class QualityOptions:
     write_calibration: Path | None = None  # also write `auto`'s calibration table here
     unrelated_distractors: bool = False  # replace non-supporting passages by other questions'
     passage_bos: bool = False  # every passage starts with BOS (EPIC's layout), in every policy's prompt
+    repair_checkpoint: Path | None = None  # the server started here serves this one, not the shipped one
 
 
 @dataclass
@@ -172,6 +175,7 @@ class StoredRun:
     results: list[QuestionResult]
     summary: dict[str, dict[str, Any]]
     passage_bos: bool = False  # the BOS-per-passage ablation, not the layout the frontend serves
+    repair_checkpoint: dict[str, Any] | None = None  # _repair_record; runs before it have none
 
     @property
     def label(self) -> str:
@@ -187,7 +191,8 @@ def read_run(path: Path) -> StoredRun:
         results = [QuestionResult(**row) for row in report["per_question"]]
         return StoredRun(path=path, model=Path(report["model"]).name,
                          kl_method=report["method"]["first_token_kl"], results=results,
-                         summary=report["policies"], passage_bos=report.get("settings", {}).get("passage_bos", False))
+                         summary=report["policies"], passage_bos=report.get("settings", {}).get("passage_bos", False),
+                         repair_checkpoint=report.get("repair_checkpoint"))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BenchError(f"{path} is not a `picrag bench quality` results file: {exc}") from exc
 
@@ -214,7 +219,8 @@ def calibration_table(runs: list[tuple[list[QuestionResult], dict[str, dict[str,
     first-token KL per chunk-reusing policy and prompt-size bucket, pooled over every question of
     every run, the policies ordered by TTFT speed-up over full (fastest, i.e. cheapest, first;
     `speed_order`). Repairing policies are taken to have run with the checkpoint shipped for
-    the model (what a bench that starts its own server serves)."""
+    the model (what a bench that starts its own server serves; check_shipped_repair refuses runs
+    that record another)."""
     # Keyed by canonical name, so `legolink` in one run and `legolink:16` in another pool.
     kls: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     speedups: list[dict[str, float]] = []
@@ -235,6 +241,18 @@ def calibration_table(runs: list[tuple[list[QuestionResult], dict[str, dict[str,
     )
 
 
+def check_shipped_repair(model: str, records: list[tuple[str, dict[str, Any] | None]]) -> None:
+    """`auto`'s table describes what `picrag serve` serves, the shipped checkpoint: refuse runs
+    whose repairing policies ran with another one (`records`: (run, its repair record))."""
+    shipped = SHIPPED_DIR / model / WEIGHTS_FILE
+    digest = file_sha256(shipped) if shipped.is_file() else None
+    foreign = [f"{run} ({record['path']})" for run, record in records
+               if record and record.get("weights_sha256") and record["weights_sha256"] != digest]
+    if foreign:
+        raise BenchError(f"{', '.join(foreign)}: repaired with a checkpoint other than the one shipped for {model}; "
+                         "a calibration table must describe the checkpoint `picrag serve` uses")
+
+
 def calibration_from_runs(runs: list[StoredRun]) -> CalibrationTable:
     """One table from stored runs of one model whose KLs were measured the same way."""
     if not runs:
@@ -245,6 +263,7 @@ def calibration_from_runs(runs: list[StoredRun]) -> CalibrationTable:
     ablations = [str(run.path) for run in runs if run.passage_bos]
     if ablations:
         raise BenchError(f"{', '.join(ablations)}: a --passage-bos run is not the layout the frontend serves")
+    check_shipped_repair(next(iter(models)), [(str(run.path), run.repair_checkpoint) for run in runs])
     methods = {run.kl_method for run in runs}
     if len(methods) > 1:
         raise BenchError("the runs measured the first-token KL differently and cannot be pooled: "
@@ -280,6 +299,8 @@ def pareto_plot(summary: dict[str, dict[str, Any]], path: Path, title: str) -> N
 
 
 def run_quality(options: QualityOptions, progress: bool = True) -> dict[str, Any]:
+    if options.repair_checkpoint is not None and options.url is not None:
+        raise BenchError("--repair-checkpoint is for the server the bench starts; the one at --url serves its own")
     choices = parse_policies(options.policies)
     if not any(c.name == REFERENCE for c in choices):
         # Agreement, KL and speed-up are measured against full: it always runs.
@@ -291,7 +312,8 @@ def run_quality(options: QualityOptions, progress: bool = True) -> dict[str, Any
         rows = with_unrelated_distractors(rows)
     options.out.mkdir(parents=True, exist_ok=True)
 
-    with server(options.url, options.model, options.port, options.out / "server.log") as url:
+    serve_args = [] if options.repair_checkpoint is None else ["--repair-checkpoint", str(options.repair_checkpoint)]
+    with server(options.url, options.model, options.port, options.out / "server.log", serve_args) as url:
         model_dir = model_path_of(url, options.model)
         layout = load_layout(model_dir, options.passage_bos)
         results: list[QuestionResult] = []
@@ -335,6 +357,7 @@ def run_quality(options: QualityOptions, progress: bool = True) -> dict[str, Any
             "agreement": "greedy answer text identical to full's (whitespace-stripped)",
             "scores": "SQuAD EM/F1 of the first answer line, max over gold aliases, in percent",
         },
+        "repair_checkpoint": _repair_record(options, model_dir, runnable),
         "policies": summary,
         "unavailable": unavailable,
         "per_question": [asdict(r) for r in results],
@@ -349,6 +372,17 @@ def run_quality(options: QualityOptions, progress: bool = True) -> dict[str, Any
     pareto_plot(summary, options.out / "pareto.png",
                 f"{model_dir.name}, {options.dataset.name}, {len(rows)} questions")
     return report
+
+
+def _repair_record(options: QualityOptions, model_dir: Path, policies: list[str]) -> dict[str, Any] | None:
+    """Which CacheRepair checkpoint the repairing policies ran with (None: none of them ran). Two
+    trainings into one folder differ only in their weights, so the record carries their digest."""
+    if not any(parse_policy(p).family.repairs for p in policies):
+        return None
+    if options.url is not None:
+        return {"path": None, "why": f"not known: the server at {options.url} chose its own"}
+    checkpoint, why = choose_repair_checkpoint(model_dir, options.repair_checkpoint)
+    return {"path": None, "why": why} if checkpoint is None else checkpoint_identity(checkpoint)
 
 
 def register(commands) -> None:
@@ -373,6 +407,9 @@ def register(commands) -> None:
     quality.add_argument("--write-calibration", type=Path, default=None, metavar="FILE",
                          help="also write the `auto` policy's calibration table (mean KL per policy and "
                          "prompt size, policies by speed-up) for `picrag serve --calibration FILE`")
+    quality.add_argument("--repair-checkpoint", type=Path, default=None, metavar="DIR",
+                         help="a CacheRepair checkpoint for the server started here to serve instead of the "
+                         "shipped one (results.json records which one ran, with its weights' digest)")
     add_server_arguments(quality, default_port=8031)
     quality.set_defaults(func=_main)
 
@@ -381,12 +418,15 @@ def register(commands) -> None:
 def _main(args) -> int:
     if args.passage_bos and args.write_calibration is not None:
         raise BenchError("--write-calibration with --passage-bos: the ablation is not the layout the frontend serves")
+    if args.repair_checkpoint is not None and args.write_calibration is not None:
+        raise BenchError("--write-calibration with --repair-checkpoint: `auto`'s table describes the shipped "
+                         "checkpoint, the one `picrag serve` uses")
     options = QualityOptions(
         dataset=args.dataset, policies=args.policies, out=args.out, limit=args.limit,
         max_passages=args.max_passages, max_tokens=args.max_tokens,
         url=args.url, model=args.model, port=args.port, command=command_line(),
         write_calibration=args.write_calibration, unrelated_distractors=args.distractors == "unrelated",
-        passage_bos=args.passage_bos,
+        passage_bos=args.passage_bos, repair_checkpoint=args.repair_checkpoint,
     )
     report = run_quality(options)
     print((options.out / "results.md").read_text())

@@ -1,7 +1,17 @@
-"""`picrag serve` as a child process, for tests, benchmarks and examples that need a live server."""
+"""`picrag serve` as a child process, for tests, benchmarks and examples that need a live server.
+
+Two guards keep a caller from measuring a server it did not start: the port must be free before
+the child starts (otherwise the old server would answer the health check while the new one dies
+on the taken port), and on Linux the child is stopped when its parent dies, even by SIGKILL, so
+an interrupted benchmark leaves no server holding the port.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,12 +24,35 @@ class ServeStartError(RuntimeError):
     pass
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.settimeout(2)
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def stop_with_parent(parent_pid: int) -> None:
+    """Runs in the child before exec: SIGTERM, the server's own orderly stop, once the parent
+    dies. If the parent died before this ran, stop now."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def start_picrag_serve(port: int, extra_args: list[str], log: Path, timeout_s: float = 600) -> subprocess.Popen:
     """Start `picrag serve` on `port`, its output and the runtime's in `log`; wait for /health."""
+    if port_in_use(port):
+        raise ServeStartError(f"port {port} is already in use (another picrag serve?): stop it or choose another port")
     cmd = [sys.executable, "-m", "rag_server.cli", "serve", "--port", str(port),
            "--runtime-log", str(log), *extra_args]
+    parent = os.getpid()
+    guard = (lambda: stop_with_parent(parent)) if sys.platform.startswith("linux") else None
     with open(log, "ab") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=guard)
     deadline = time.monotonic() + timeout_s
     while True:
         if process.poll() is not None:

@@ -20,6 +20,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from sglang_patches.file_digest import file_sha256
 from sglang_patches.repair.config import RepairConfig
 from sglang_patches.repair.network import KVRepairer, RepairNetwork
 from sglang_patches.repair.normalization import KVStats
@@ -68,6 +69,18 @@ def read_checkpoint_config(directory: Path) -> tuple[RepairConfig, str, dict[str
         return RepairConfig.from_dict(document), str(document["model_fingerprint"]), document.get("training", {})
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise RepairCheckpointError(f"corrupt CacheRepair config {path}: {exc!r}") from exc
+
+
+def checkpoint_identity(directory: Path) -> dict[str, Any]:
+    """What names a checkpoint in a benchmark's results: its folder, its weights' SHA-256 (two
+    trainings into one folder differ only there), the network's shape and its training steps."""
+    directory = Path(directory)
+    config, _, training = read_checkpoint_config(directory)
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise RepairCheckpointError(f"CacheRepair checkpoint file {weights} is missing")
+    return {"path": str(directory.resolve()), "weights_sha256": file_sha256(weights),
+            "width": config.width, "blocks": config.blocks, "training_steps": training.get("steps")}
 
 
 def _load_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -1,0 +1,51 @@
+"""The guards of `start_picrag_serve`: a bench must never measure a server it did not start."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from rag_server.bench.common import BenchError, server
+from rag_server.launch.serve_process import ServeStartError, port_in_use, start_picrag_serve
+
+
+def test_a_taken_port_is_refused_before_anything_starts(tmp_path):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert port_in_use(port)
+        with pytest.raises(ServeStartError, match=f"port {port} is already in use"):
+            start_picrag_serve(port, [], tmp_path / "serve.log")
+        with pytest.raises(BenchError, match="already in use"), server(None, None, port, tmp_path / "bench.log"):
+            pass
+    assert not (tmp_path / "serve.log").exists()  # nothing was started
+    assert not port_in_use(port)
+
+
+def test_the_child_is_stopped_when_its_parent_is_killed(tmp_path):
+    # A parent that starts a long-lived child with the same guard, then is killed by SIGKILL.
+    script = textwrap.dedent("""
+        import os, subprocess, sys
+        from rag_server.launch.serve_process import stop_with_parent
+        parent = os.getpid()
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                                 preexec_fn=lambda: stop_with_parent(parent))
+        print(child.pid, flush=True)
+        child.wait()
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = psutil.Process(int(parent.stdout.readline()))
+    assert child.is_running()
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.1)
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
