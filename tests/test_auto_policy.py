@@ -189,19 +189,22 @@ def test_bench_quality_writes_a_calibration_table(tmp_path):
     assert calibration_table([(results, summary)], "unknown-model", "x").repair_checkpoint is None
 
 
-def _stored_run(folder, model, kl_method, rows):
-    """A results.json as `bench quality` writes it: rows are (policy, prompt tokens, KL, TTFT)."""
+def _stored_run(folder, model, kl_method, rows, dataset="hotpotqa.dev.jsonl", ids=None):
+    """A results.json as `bench quality` writes it: rows are (policy, prompt tokens, KL, TTFT);
+    a row's question id is its prompt size unless `ids` names them."""
     from dataclasses import asdict
 
     from rag_server.bench.quality import QuestionResult, summarise
 
-    results = [QuestionResult(id=str(tokens), policy=policy, answer="", em=0.0, f1=0.0, agrees_with_full=False,
-                              first_token_kl=kl, ttft_s=ttft, prompt_tokens=tokens, reused_tokens=0,
-                              computed_tokens=0, chunk_hits=0, chunk_misses=0) for policy, tokens, kl, ttft in rows]
+    results = [QuestionResult(id=ids[i] if ids else str(tokens), policy=policy, answer="", em=0.0, f1=0.0,
+                              agrees_with_full=False, first_token_kl=kl, ttft_s=ttft, prompt_tokens=tokens,
+                              reused_tokens=0, computed_tokens=0, chunk_hits=0, chunk_misses=0)
+               for i, (policy, tokens, kl, ttft) in enumerate(rows)]
     policies = list(dict.fromkeys(r.policy for r in results))
     folder.mkdir()
     (folder / "results.json").write_text(json.dumps({
-        "model": f"/models/{model}", "method": {"first_token_kl": kl_method},
+        "model": f"/models/{model}", "dataset": f"../data/{dataset}", "settings": {"distractors": "dataset"},
+        "method": {"first_token_kl": kl_method},
         "policies": summarise(results, policies), "per_question": [asdict(r) for r in results]}))
     return folder
 
@@ -305,3 +308,19 @@ def test_bench_quality_refuses_a_repair_checkpoint_it_would_not_serve(tmp_path, 
     assert main(["bench", "quality", "--dataset", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "out"),
                  "--repair-checkpoint", str(tmp_path / "ckpt"), "--write-calibration", str(tmp_path / "t.json")]) == 1
     assert "describes the shipped checkpoint" in capsys.readouterr().err
+
+
+def test_bench_calibrate_counts_a_question_measured_twice_once(tmp_path):
+    from rag_server.bench.quality import calibration_from_runs, read_run
+
+    first = _stored_run(tmp_path / "first", "smollm2-135m", "exact",
+                        [("full", 1200, 0.0, 4.0), ("naive", 1200, 0.2, 0.5)], ids=["q1", "q1"])
+    other_set = _stored_run(tmp_path / "other", "smollm2-135m", "exact",
+                            [("full", 1200, 0.0, 4.0), ("naive", 1200, 0.8, 0.5)], dataset="2wiki.dev.jsonl",
+                            ids=["q1", "q1"])
+    # The first run's question again, for a policy it did not have: naive's q1 must not count twice.
+    again = _stored_run(tmp_path / "again", "smollm2-135m", "exact",
+                        [("full", 1200, 0.0, 4.0), ("naive", 1200, 0.2, 0.5), ("cacherepair", 1200, 0.1, 0.7)],
+                        ids=["q1", "q1", "q1"])
+    table = calibration_from_runs([read_run(run) for run in (first, other_set, again)])
+    assert table.kl["naive"] == {"1024-2048": 0.5} and table.kl["cacherepair"] == {"1024-2048": 0.1}

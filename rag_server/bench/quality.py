@@ -176,6 +176,7 @@ class StoredRun:
     summary: dict[str, dict[str, Any]]
     passage_bos: bool = False  # the BOS-per-passage ablation, not the layout the frontend serves
     repair_checkpoint: dict[str, Any] | None = None  # _repair_record; runs before it have none
+    prompts: str = ""  # which prompts its questions were: the dataset file and its distractor setting
 
     @property
     def label(self) -> str:
@@ -192,7 +193,8 @@ def read_run(path: Path) -> StoredRun:
         return StoredRun(path=path, model=Path(report["model"]).name,
                          kl_method=report["method"]["first_token_kl"], results=results,
                          summary=report["policies"], passage_bos=report.get("settings", {}).get("passage_bos", False),
-                         repair_checkpoint=report.get("repair_checkpoint"))
+                         repair_checkpoint=report.get("repair_checkpoint"),
+                         prompts=f"{Path(report.get('dataset', '')).name}, {report.get('settings', {}).get('distractors')}")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BenchError(f"{path} is not a `picrag bench quality` results file: {exc}") from exc
 
@@ -270,7 +272,19 @@ def calibration_from_runs(runs: list[StoredRun]) -> CalibrationTable:
                          + "; ".join(f"{run.path}: {run.kl_method}" for run in runs))
     source = ("picrag bench calibrate over " + "; ".join(run.label for run in runs)
               + f". First-token KL: {methods.pop()}.")
-    return calibration_table([(run.results, run.summary) for run in runs], models.pop(), source)
+    # A question that two runs measured with the same policy counts once, or adding a run with
+    # new policies on old questions would weigh those questions twice in the old policies' means.
+    seen: set[tuple[str, str, str]] = set()
+    pooled = []
+    for run in runs:
+        kept = []
+        for r in run.results:
+            key = (run.prompts, r.id, parse_policy(r.policy).name)
+            if key not in seen:
+                seen.add(key)
+                kept.append(r)
+        pooled.append((kept, run.summary))
+    return calibration_table(pooled, models.pop(), source)
 
 
 def pareto_plot(summary: dict[str, dict[str, Any]], path: Path, title: str) -> None:
