@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -33,14 +34,20 @@ def port_in_use(port: int) -> bool:
         return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
-def stop_with_parent(parent_pid: int) -> None:
-    """Runs in the child before exec: SIGTERM, the server's own orderly stop, once the parent
-    dies. If the parent died before this ran, stop now."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent_pid:
-        os.kill(os.getpid(), signal.SIGTERM)
+def stop_with_parent() -> Callable[[], None]:
+    """A preexec_fn: the child gets SIGTERM, the server's own orderly stop, once its parent dies
+    (or at once if the parent died before it ran). libc is looked up here, in the parent, so the
+    forked child runs no loader code that another thread's lock could block."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def arm() -> None:
+        if prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
 
 
 def start_picrag_serve(port: int, extra_args: list[str], log: Path, timeout_s: float = 600) -> subprocess.Popen:
@@ -49,8 +56,7 @@ def start_picrag_serve(port: int, extra_args: list[str], log: Path, timeout_s: f
         raise ServeStartError(f"port {port} is already in use (another picrag serve?): stop it or choose another port")
     cmd = [sys.executable, "-m", "rag_server.cli", "serve", "--port", str(port),
            "--runtime-log", str(log), *extra_args]
-    parent = os.getpid()
-    guard = (lambda: stop_with_parent(parent)) if sys.platform.startswith("linux") else None
+    guard = stop_with_parent() if sys.platform.startswith("linux") else None
     with open(log, "ab") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=guard)
     deadline = time.monotonic() + timeout_s
