@@ -54,9 +54,9 @@ from rag_server.bench.scoring import score_answer
 from rag_server.launch.repair_checkpoint import SHIPPED_DIR, choose_repair_checkpoint
 from rag_server.service.auto_policy import CalibrationTable
 from rag_server.service.first_token_quality import BUCKET_BOUNDS, bucket_labels, size_bucket
+from sglang_patches.file_digest import file_sha256
 from sglang_patches.first_token_report import exact_kl
 from sglang_patches.policies import parse_policy
-from sglang_patches.file_digest import file_sha256
 from sglang_patches.repair.checkpoint import WEIGHTS_FILE, checkpoint_identity
 
 REFERENCE = "full"
