@@ -54,10 +54,9 @@ from rag_server.bench.scoring import score_answer
 from rag_server.launch.repair_checkpoint import SHIPPED_DIR, choose_repair_checkpoint
 from rag_server.service.auto_policy import CalibrationTable
 from rag_server.service.first_token_quality import BUCKET_BOUNDS, bucket_labels, size_bucket
-from sglang_patches.file_digest import file_sha256
 from sglang_patches.first_token_report import exact_kl
 from sglang_patches.policies import parse_policy
-from sglang_patches.repair.checkpoint import WEIGHTS_FILE, checkpoint_identity
+from sglang_patches.repair.checkpoint import RepairCheckpointError, checkpoint_identity
 
 REFERENCE = "full"
 NAIVE = "naive"  # the KL every other policy's is measured against: reuse with no correction
@@ -246,8 +245,10 @@ def calibration_table(runs: list[tuple[list[QuestionResult], dict[str, dict[str,
 def check_shipped_repair(model: str, records: list[tuple[str, dict[str, Any] | None]]) -> None:
     """`auto`'s table describes what `picrag serve` serves, the shipped checkpoint: refuse runs
     whose repairing policies ran with another one (`records`: (run, its repair record))."""
-    shipped = SHIPPED_DIR / model / WEIGHTS_FILE
-    digest = file_sha256(shipped) if shipped.is_file() else None
+    try:
+        digest = checkpoint_identity(SHIPPED_DIR / model)["weights_sha256"]
+    except RepairCheckpointError:  # none shipped: every recorded checkpoint is another one
+        digest = None
     foreign = [f"{run} ({record['path']})" for run, record in records
                if record and record.get("weights_sha256") and record["weights_sha256"] != digest]
     if foreign:
