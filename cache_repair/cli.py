@@ -90,6 +90,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     train.add_argument("--lr", type=float, default=defaults.lr)
     train.add_argument("--width", type=_positive_int, default=defaults.width, help="network width d_b")
     train.add_argument("--blocks", type=_positive_int, default=defaults.blocks, help="transformer blocks")
+    train.add_argument("--compress-dim", type=_positive_int, default=defaults.compress_dim,
+                       help="numbers each layer's, head's K or V of a stale token is compressed to at the "
+                       "network's input (default %(default)s)")
     train.add_argument("--warmup", type=_positive_int, default=defaults.warmup, help="warm-up steps")
     train.add_argument("--val-every", type=_positive_int, default=defaults.val_every,
                        help="validate and save a resumable state every N steps")
@@ -104,7 +107,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        "0 = every question token (default %(default)s)")
     train.add_argument("--init", type=Path, default=None, metavar="CKPT_DIR",
                        help="start from this checkpoint's network and KV statistics (fine-tuning); it must be "
-                       "for the pairs' model and have the --width and --blocks given")
+                       "for the pairs' model and have the --width, --blocks and --compress-dim given")
     train.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     train.add_argument("--model", default=None, metavar="PRESET|PATH",
                        help="the pairs' model if its folder moved (default: the one in the pairs manifest)")
@@ -201,7 +204,7 @@ def _train(args: argparse.Namespace) -> int:
     from sglang_patches.model_store import resolve_model
 
     options = TrainOptions(steps=args.steps, lr=args.lr, width=args.width, blocks=args.blocks,
-                           warmup=args.warmup, val_every=args.val_every, seed=args.seed,
+                           compress_dim=args.compress_dim, warmup=args.warmup, val_every=args.val_every, seed=args.seed,
                            residual_weight=args.residual_weight, kl_weight=args.kl_weight,
                            kl_positions=args.kl_positions)
     model_dir = resolve_model(args.model) if args.model else None

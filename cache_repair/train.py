@@ -229,7 +229,7 @@ class Trainer:
         train_paths = pooled_train_paths(self.pairs_dir, self.more_pairs)
         val_paths = shard_paths(self.pairs_dir, "val")
         config = RepairConfig.from_dict({**manifest["repair_config"], "width": self.options.width,
-                                         "blocks": self.options.blocks})
+                                         "blocks": self.options.blocks, "compress_dim": self.options.compress_dim})
         self.out.mkdir(parents=True, exist_ok=True)
         state_path = self.out / STATE_FILE
         state = self._load_state(state_path, resume)

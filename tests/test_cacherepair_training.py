@@ -180,7 +180,8 @@ def test_checkpoint_identity_names_the_weights_that_ran(tmp_path):
     identity = checkpoint_identity(tmp_path / "a")
     assert identity == {"path": str((tmp_path / "a").resolve()),
                         "weights_sha256": file_sha256(tmp_path / "a" / "weights.safetensors"),
-                        "width": TINY.width, "blocks": TINY.blocks, "training_steps": 3}
+                        "width": TINY.width, "blocks": TINY.blocks, "compress_dim": TINY.compress_dim,
+                        "training_steps": 3}
     # A second training into the same folder differs only in its weights, and the record says so.
     save_checkpoint(tmp_path / "a", tiny_network(randomise=False), TINY, tiny_stats(), "fp", {"steps": 3})
     assert checkpoint_identity(tmp_path / "a")["weights_sha256"] != identity["weights_sha256"]
@@ -261,10 +262,11 @@ def test_tiny_pairs_train_and_eval(maker, default_model_dir, shared_qa, tmp_path
 
     checkpoint = tmp_path / "checkpoint"
     train_args = ("repair", "train", "--pairs", out, "--out", checkpoint, "--steps", 40, "--warmup", 5,
-                  "--val-every", 20, "--width", 32, "--blocks", 1, "--lr", 3e-3)
+                  "--val-every", 20, "--width", 32, "--blocks", 1, "--compress-dim", 2, "--lr", 3e-3)
     assert repair_cli(*train_args) == 0
     summary = json.loads((checkpoint / "config.json").read_text())["training"]
     assert summary["steps"] == 40 and summary["val_relative_error"]["relative_k"][0] is None
+    assert json.loads((checkpoint / "config.json").read_text())["compress_dim"] == 2
 
     from sglang_patches.model_fingerprint import model_fingerprint
 

@@ -37,7 +37,12 @@ def port_in_use(port: int) -> bool:
 def stop_with_parent() -> Callable[[], None]:
     """A preexec_fn: the child gets SIGTERM, the server's own orderly stop, once its parent dies
     (or at once if the parent died before it ran). libc is looked up here, in the parent, so the
-    forked child runs no loader code that another thread's lock could block."""
+    forked child runs no loader code that another thread's lock could block.
+
+    Linux sends the signal when the *thread* that forked the child ends, not the process: only
+    a caller on a thread that lives as long as the child should (the main thread of a bench or
+    test) may use it. That is why picrag serve's SGLang runtimes do not: with replicas each is
+    started from a thread that ends once it is up."""
     prctl = ctypes.CDLL(None, use_errno=True).prctl
     parent = os.getpid()
 

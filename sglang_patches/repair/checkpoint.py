@@ -80,7 +80,8 @@ def checkpoint_identity(directory: Path) -> dict[str, Any]:
     if not weights.is_file():
         raise RepairCheckpointError(f"CacheRepair checkpoint file {weights} is missing")
     return {"path": str(directory.resolve()), "weights_sha256": file_sha256(weights),
-            "width": config.width, "blocks": config.blocks, "training_steps": training.get("steps")}
+            "width": config.width, "blocks": config.blocks, "compress_dim": config.compress_dim,
+            "training_steps": training.get("steps")}
 
 
 def _load_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -79,6 +79,7 @@ class TrainOptions:
     lr: float = 1e-3
     width: int = 128
     blocks: int = 4
+    compress_dim: int = 4  # numbers each (layer, head, K|V) stream of stale KV is compressed to
     warmup: int = 100
     val_every: int = 250
     seed: int = 0
