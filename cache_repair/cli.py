@@ -91,8 +91,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     train.add_argument("--width", type=_positive_int, default=defaults.width, help="network width d_b")
     train.add_argument("--blocks", type=_positive_int, default=defaults.blocks, help="transformer blocks")
     train.add_argument("--compress-dim", type=_positive_int, default=defaults.compress_dim,
-                       help="numbers each layer's, head's K or V of a stale token is compressed to at the "
-                       "network's input (default %(default)s)")
+                       help="how many numbers a stale token's K (and its V) of each layer and KV head is "
+                       "compressed to at the network's input (default %(default)s)")
     train.add_argument("--warmup", type=_positive_int, default=defaults.warmup, help="warm-up steps")
     train.add_argument("--val-every", type=_positive_int, default=defaults.val_every,
                        help="validate and save a resumable state every N steps")
