@@ -178,8 +178,25 @@ def replicas(tmp_path_factory, default_model_dir) -> Replicas:
     server = start_picrag_server(directory / "server.log",
                                  ["--replicas", "2", "--max-total-tokens", "8192", "--chunk-store", str(store)])
     ready = sorted(READY.findall(server.log.read_text()))
-    yield Replicas(server, [url for _, url, _ in ready], [int(pgid) for _, _, pgid in ready], store)
+    started = Replicas(server, [url for _, url, _ in ready], [int(pgid) for _, _, pgid in ready], store)
+    _wait_until_counters_settle(started)
+    yield started
     stop_picrag_server(server)
+
+
+def _wait_until_counters_settle(replicas: Replicas, timeout_s: float = 30.0) -> None:
+    """Until two reads a second apart agree. The tests tell replicas apart by whose counters a
+    request moved. In one CI run the first request seemed to reach both replicas, most likely a
+    counter of the start-up self-check's requests moving late on a loaded machine."""
+    deadline = time.monotonic() + timeout_s
+    previous = replicas.counters()
+    while True:
+        time.sleep(1)
+        current = replicas.counters()
+        if current == previous:
+            return
+        assert time.monotonic() < deadline, "the replicas' counters kept moving with no request sent"
+        previous = current
 
 
 def _linked_body(prompt) -> dict:
