@@ -83,7 +83,7 @@ class ServerHandle:
 
 
 def start_picrag_server(log: Path, extra_args: list[str]) -> ServerHandle:
-    from rag_server.launch.runtime import free_port
+    from rag_server.launch.ports import free_port
     from rag_server.launch.serve_process import ServeStartError, start_picrag_serve
 
     port = free_port()

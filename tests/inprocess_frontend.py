@@ -15,7 +15,7 @@ def serving(app, graceful_shutdown_s: float | None = None) -> Iterator[str]:
     still running at the end may take (None: as long as they need)."""
     import uvicorn
 
-    from rag_server.launch.runtime import free_port
+    from rag_server.launch.ports import free_port
 
     port = free_port()
     # lifespan "on": a failed start-up must fail the test, not leave an app without its state.

@@ -68,7 +68,7 @@ def test_the_index_is_built_once_under_picrag_home_and_retrieves(picrag_home):
 
 @pytest.mark.server
 def test_a_server_started_without_index_answers_from_the_default_corpus(picrag_home, tmp_path):
-    from rag_server.launch.runtime import free_port
+    from rag_server.launch.ports import free_port
     from rag_server.launch.serve_process import start_picrag_serve
     from tests.conftest import ServerHandle, stop_picrag_server
 

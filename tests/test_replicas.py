@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import re
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -23,9 +24,9 @@ import httpx
 import pytest
 import torch
 
-from rag_server.launch.gateway import ROUTING_POLICY, GatewayConfig
-from rag_server.launch.replicas import (REPLICA_PORTS_FROM, ExternalEngines, ReplicaSet, engines_for, ephemeral_low,
-                                        replica_configs)
+from rag_server.launch.gateway import ROUTING_POLICY, Gateway, GatewayConfig, GatewayStartError
+from rag_server.launch.ports import PORTS_FROM, ephemeral_low
+from rag_server.launch.replicas import ExternalEngines, ReplicaSet, engines_for, replica_configs
 from rag_server.launch.runtime import RuntimeConfig, SGLangRuntime
 from rag_server.linking.chunk_compiler import ROUTING_KEY_HEADER, passage_set_key
 from sglang_patches.chunk_key import chunk_key
@@ -84,7 +85,7 @@ def test_replica_configs_split_ports_cores_gpus_and_the_store_bound(tmp_path):
     assert [c.threads for c in configs] == [max(1, (os.cpu_count() or 1) // 2)] * 2
     # Free ones, apart, where no ephemeral bind takes them before they are bound.
     free = [c.port for c in replica_configs(RuntimeConfig(model_path=tmp_path), 8)]
-    assert len(set(free)) == 8 and all(REPLICA_PORTS_FROM <= port < ephemeral_low() for port in free)
+    assert len(set(free)) == 8 and all(PORTS_FROM <= port < ephemeral_low() for port in free)
     on_gpus = replica_configs(RuntimeConfig(model_path=tmp_path, device="cuda"), 2)
     assert [c.extra_args[-2:] for c in on_gpus] == [["--base-gpu-id", "0"], ["--base-gpu-id", "1"]]
     assert [c.threads for c in on_gpus] == [None, None]
@@ -96,6 +97,10 @@ def test_serve_flags_choose_what_is_started(tmp_path):
     replicas = engines_for(config, 2)
     assert isinstance(replicas, ReplicaSet) and len(replicas.engines.runtimes) == 2
     assert replicas.gateway.config.worker_urls == tuple(r.url for r in replicas.engines.runtimes)
+    # The gateway binds its port after the replicas have loaded their models; an ephemeral one was
+    # taken meanwhile in one CI run.
+    ports = {r.config.port for r in replicas.engines.runtimes} | {replicas.gateway.config.port}
+    assert len(ports) == 3 and all(PORTS_FROM <= port < ephemeral_low() for port in ports)
     remote = engines_for(config, worker_urls=["http://gpu1:30000", "http://gpu2:30000"])
     assert isinstance(remote, ExternalEngines) and remote.gateway.config.worker_urls == ("http://gpu1:30000",
                                                                                        "http://gpu2:30000")
@@ -111,6 +116,17 @@ def test_the_gateway_hashes_routing_keys():
     assert command[command.index("--policy") + 1] == ROUTING_POLICY == "consistent_hashing"
     workers = command.index("--worker-urls") + 1
     assert command[workers:workers + 2] == ["http://a:1", "http://b:2"]
+
+
+def test_a_gateway_that_cannot_start_says_why(tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        gateway = Gateway(GatewayConfig(("http://127.0.0.1:9",), holder.getsockname()[1]),
+                          log_file=tmp_path / "gateway.log")
+        with pytest.raises(GatewayStartError, match="exited with code 1 during start(.|\n)*Address already in use"):
+            gateway.start(timeout_s=60)
+    assert gateway.death() is not None
 
 
 # --- two writers of one chunk file ----------------------------------------------------------------

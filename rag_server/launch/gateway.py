@@ -23,8 +23,8 @@ from pathlib import Path
 
 import httpx
 
-from rag_server.launch.process_group import stop_process_group
-from rag_server.launch.runtime import free_port
+from rag_server.launch.process_group import died_during_start, stop_process_group
+from rag_server.launch.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class GatewayConfig:
             "--shutdown-grace-period-secs", str(SHUTDOWN_GRACE_S),
             # Requests reach the engines as token ids or text; the gateway tokenizes nothing.
             "--disable-tokenizer-autoload",
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port or free_port()),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port or free_port(taken=[self.port])),
             "--log-level", self.log_level,
         ]
 
@@ -90,10 +90,7 @@ class Gateway:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise GatewayStartError(
-                    f"model gateway exited with code {self.process.returncode} during start"
-                    + (f"; see {self.log_file}" if self.log_file else "")
-                )
+                raise GatewayStartError(died_during_start(self.process, "model gateway", self.log_file))
             healthy, total = self.workers()
             if healthy:
                 logger.info("model gateway ready: %d of %d workers healthy", healthy, total)

@@ -1,14 +1,20 @@
-"""Stopping a child started in its own process group (`start_new_session`): SIGTERM, a grace
-period, then SIGKILL to the whole group, so no worker of it outlives the server."""
+"""A child started in its own process group (`start_new_session`): stopping it (SIGTERM, a grace
+period, then SIGKILL to the whole group, so no worker of it outlives the server), and saying why
+it died during its start."""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
+
+START_LOG_LINES = 15
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # the gateway colours its log even into a file
 
 
 def stop_process_group(process: subprocess.Popen, name: str, grace_s: float) -> None:
@@ -26,3 +32,17 @@ def stop_process_group(process: subprocess.Popen, name: str, grace_s: float) -> 
     except ProcessLookupError:
         pass
     process.wait()
+
+
+def died_during_start(process: subprocess.Popen, name: str, log_file: Path | None) -> str:
+    """The error for a child that exited before it was ready: its exit code and the end of its log,
+    so the reason reaches whoever reads the error (a CI log shows no other file)."""
+    message = f"{name} exited with code {process.returncode} during start"
+    if log_file is None:
+        return message
+    try:
+        lines = log_file.read_text(errors="replace").splitlines()
+    except OSError:
+        return f"{message}; see {log_file}"
+    tail = [_ANSI_ESCAPE.sub("", line) for line in lines if line.strip()][-START_LOG_LINES:]
+    return f"{message}; the end of {log_file}:\n" + "\n".join(tail)

@@ -18,44 +18,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import random
-import socket
 import threading
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rag_server.launch.gateway import Gateway, GatewayConfig
-from rag_server.launch.runtime import RuntimeConfig, SGLangRuntime, free_port
+from rag_server.launch.ports import free_port
+from rag_server.launch.runtime import RuntimeConfig, SGLangRuntime
 
 logger = logging.getLogger(__name__)
-
-
-# Free ports for the replicas are taken from here up to the kernel's ephemeral range (SGLang draws
-# the port its scheduler binds later, for NCCL, from 22000 to 29999).
-REPLICA_PORTS_FROM = 30000
-
-
-def ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def port_below_ephemeral(taken: Collection[int] = (), attempts: int = 64) -> int:
-    """A free port outside the ephemeral range and not in `taken`. A replica binds its port only
-    once its model is loaded, a minute after the port was chosen; meanwhile the other replicas'
-    schedulers bind dozens of ephemeral ports, and one of them took a replica's port chosen there."""
-    for port in random.sample(range(REPLICA_PORTS_FROM, ephemeral_low()), attempts):
-        if port in taken:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    return free_port()
 
 
 def replica_configs(config: RuntimeConfig, replicas: int) -> list[RuntimeConfig]:
@@ -70,7 +41,7 @@ def replica_configs(config: RuntimeConfig, replicas: int) -> list[RuntimeConfig]
     max_bytes = config.chunk_store_max_bytes
     ports: list[int] = []
     for index in range(replicas):
-        ports.append(config.port + index if config.port else port_below_ephemeral(taken=ports))
+        ports.append(config.port + index if config.port else free_port(taken=ports))
     gpu = (lambda index: ["--base-gpu-id", str(index)]) if resolved.device == "cuda" else (lambda index: [])
     return [dataclasses.replace(
         config,
@@ -182,7 +153,7 @@ class ReplicaSet:
             logger.warning("%d replicas without --chunk-store: a passage moved to another replica "
                            "is computed again there", replicas)
         self.engines = EngineGroup(config, replicas, log_file)
-        self.gateway = Gateway(GatewayConfig(tuple(self.engines.urls), free_port()),
+        self.gateway = Gateway(GatewayConfig(tuple(self.engines.urls), free_port(taken=[r.config.port for r in self.engines.runtimes])),
                                log_file=_log_of(log_file, "gateway"))
         self._watching = threading.Event()
 

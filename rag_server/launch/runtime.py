@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +20,8 @@ from pathlib import Path
 import httpx
 import psutil
 
-from rag_server.launch.process_group import stop_process_group
+from rag_server.launch.ports import free_port
+from rag_server.launch.process_group import died_during_start, stop_process_group
 
 logger = logging.getLogger(__name__)
 
@@ -32,12 +32,6 @@ def cuda_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def runtime_env(base: dict[str, str] | None = None, threads: int | None = None) -> dict[str, str]:
@@ -201,10 +195,7 @@ class SGLangRuntime:
         started = time.monotonic()
         while time.monotonic() - started < timeout_s:
             if self.process.poll() is not None:
-                raise RuntimeStartError(
-                    f"SGLang runtime exited with code {self.process.returncode} during start"
-                    + (f"; see {self.log_file}" if self.log_file else "")
-                )
+                raise RuntimeStartError(died_during_start(self.process, "SGLang runtime", self.log_file))
             if self.healthy():
                 self._workers = _workers_of(self.process.pid)
                 logger.info("SGLang runtime ready in %.0f s (workers: %s)", time.monotonic() - started,
