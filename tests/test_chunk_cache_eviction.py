@@ -3,10 +3,9 @@ under concurrent load every answer is the one the request gets alone."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
+from rag_server.bench.load import flush_when_idle
 from tests.conftest import start_picrag_server, stop_picrag_server
 from tests.chunk_requests import counters, generate, passages_of, picrag_meta
 from tests.load_burst import MAX_RSS_GROWTH, ask, run_burst
@@ -51,15 +50,6 @@ def test_eviction_under_a_tiny_pool_never_reuses_freed_slots(small_pool_server, 
     for small_out, cold_out in zip(small, cold):
         assert picrag_meta(small_out)["chunk_hits"] == 3, [picrag_meta(o) for o in small]
         assert small_out["output_ids"] == cold_out["output_ids"]
-
-
-def flush_when_idle(client, timeout_s: float = 60.0) -> None:
-    """Empty the runtime's cache. SGLang refuses a flush (400) while it still holds requests, as
-    it did once in CI just after the concurrent burst of the test before."""
-    deadline = time.monotonic() + timeout_s
-    while (response := client.post("/flush_cache")).status_code != 200:
-        assert time.monotonic() < deadline, f"/flush_cache kept failing: {response.status_code} {response.text}"
-        time.sleep(0.5)
 
 
 def short_passage(row: dict, index: int) -> dict:
@@ -109,7 +99,7 @@ def test_eviction_takes_cached_linked_prompts_before_stored_chunks(small_pool_se
     # The chunks fit the pool with a request in flight; chunks and linked prompts together do not.
     assert chunk_tokens + max(len(p.input_ids) for p in others) < POOL_TOKENS < chunk_tokens + linked_tokens
     with small_pool_server.client() as client:
-        flush_when_idle(client)
+        flush_when_idle(client)  # SGLang refused a bare flush once in CI, just after the burst test
         generate(client, lone.input_ids, "naive", lone.chunks)
         for prompt in others:
             generate(client, prompt.input_ids, "naive", prompt.chunks)

@@ -139,13 +139,15 @@ def build_requests(options: LoadOptions, layout) -> tuple[list[CompiledPrompt], 
     return prompts, warm_up
 
 
-def _flush(client: httpx.Client) -> None:
-    # The runtime refuses a flush while requests run; the previous cell has just drained.
-    for _ in range(30):
-        if client.post("/flush_cache").status_code == 200:
-            return
-        time.sleep(1)
-    raise BenchError("/flush_cache kept failing: the cache is not empty between cells")
+def flush_when_idle(client: httpx.Client, timeout_s: float = 60.0) -> None:
+    """Empty the runtime's cache. SGLang refuses a flush (400) while it still holds requests,
+    which it may for a moment after the last answer of a burst has come back."""
+    deadline = time.monotonic() + timeout_s
+    while (response := client.post("/flush_cache")).status_code != 200:
+        if time.monotonic() >= deadline:
+            raise BenchError(f"/flush_cache kept failing for {timeout_s:.0f} s: {response.status_code} "
+                             f"{response.text[:200]}")
+        time.sleep(0.5)
 
 
 def run_cell(url: str, prompts: list[CompiledPrompt], policy: str, concurrency: int, max_tokens: int,
@@ -219,7 +221,7 @@ def run_cells(url: str, prompts: list[CompiledPrompt], warm_up: list[CompiledPro
     cells = []
     with httpx.Client(base_url=url, timeout=60) as client:
         for concurrency in options.concurrency:
-            _flush(client)
+            flush_when_idle(client)
             if warm_up:
                 run_cell(url, warm_up, policy, concurrency, 1)
             before, frontend_before = chunk_counters(client), chunk_counters(client, FRONTEND_METRICS)
