@@ -59,7 +59,8 @@ class GatewayConfig:
             "--shutdown-grace-period-secs", str(SHUTDOWN_GRACE_S),
             # Requests reach the engines as token ids or text; the gateway tokenizes nothing.
             "--disable-tokenizer-autoload",
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port or free_port(taken=[self.port])),
+            "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(self.metrics_port or free_port(taken=[self.port])),
             "--log-level", self.log_level,
         ]
 

@@ -153,7 +153,8 @@ class ReplicaSet:
             logger.warning("%d replicas without --chunk-store: a passage moved to another replica "
                            "is computed again there", replicas)
         self.engines = EngineGroup(config, replicas, log_file)
-        self.gateway = Gateway(GatewayConfig(tuple(self.engines.urls), free_port(taken=[r.config.port for r in self.engines.runtimes])),
+        gateway_port = free_port(taken=[runtime.config.port for runtime in self.engines.runtimes])
+        self.gateway = Gateway(GatewayConfig(tuple(self.engines.urls), gateway_port),
                                log_file=_log_of(log_file, "gateway"))
         self._watching = threading.Event()
 
