@@ -175,7 +175,7 @@ def test_bench_quality_writes_a_calibration_table(tmp_path):
                     result("legolink", tokens, 0.2 if tokens < 512 else 0.4, 1.0),
                     result("naive", tokens, 0.5, 0.5), result("cacherepair", tokens, 0.3, 0.8)]
     summary = summarise(results, ["full", "prefix", "legolink", "naive", "cacherepair"])
-    table = calibration_table([(results, summary)], "smollm2-135m", "a test run")
+    table = calibration_table([(results, summary)], "smollm2-135m", "a test run", min_questions=1)
     # Chunk-reusing policies only, fastest first, canonical names, KL per measured bucket.
     assert table.cost_order == ("naive", "cacherepair", "legolink:16")
     assert table.kl == {"naive": {"<512": 0.5, "1024-2048": 0.5}, "cacherepair": {"<512": 0.3, "1024-2048": 0.3},
@@ -186,7 +186,15 @@ def test_bench_quality_writes_a_calibration_table(tmp_path):
     auto = AutoPolicy(0.35, CalibrationTable.read(path))
     assert auto.choose(1600).policy.name == "cacherepair" and auto.choose(200).policy.name == "cacherepair"
     assert AutoPolicy(0.25, CalibrationTable.read(path)).choose(200).policy.name == "legolink:16"
-    assert calibration_table([(results, summary)], "unknown-model", "x").repair_checkpoint is None
+    assert calibration_table([(results, summary)], "unknown-model", "x", min_questions=1).repair_checkpoint is None
+    # By default a bucket needs 5 questions: legolink's one short prompt says nothing of short
+    # prompts, so auto reads its 1024-2048 mean there; with no bucket left, a policy is left out.
+    results += [result("legolink", 1100 + tokens, 0.4, 1.0) for tokens in range(3)]
+    results += [result("naive", 1100 + tokens, 0.5, 0.5) for tokens in range(3)]
+    thin = calibration_table([(results, summarise(results, ["full", "naive", "legolink"]))], "x", "y")
+    assert thin.kl == {"naive": {"1024-2048": 0.5}, "legolink:16": {"1024-2048": 0.4}}
+    assert thin.table_kl("legolink:16", "<512") == (0.4, "1024-2048")
+    assert calibration_table([(results[:15], summary)], "x", "y").cost_order == ()
 
 
 def _stored_run(folder, model, kl_method, rows, dataset="hotpotqa.dev.jsonl", ids=None):
@@ -219,7 +227,8 @@ def test_bench_calibrate_pools_stored_runs_of_one_model(tmp_path, capsys):
         ("full", 1900, 0.0, 9.0), ("naive", 1900, 1.0, 0.5), ("legolink:16", 1900, 0.5, 1.5),
         ("full", 2500, 0.0, 9.0), ("naive", 2500, 0.4, 0.5), ("legolink:16", 2500, 0.3, 1.5)])
     out = tmp_path / "table.json"
-    assert main(["bench", "calibrate", str(short), str(long / "results.json"), "--out", str(out)]) == 0
+    assert main(["bench", "calibrate", str(short), str(long / "results.json"), "--min-questions", "1",
+                 "--out", str(out)]) == 0
     table = CalibrationTable.read(out)
     # Every question of both runs lands in its own size bucket; `legolink` and `legolink:16` pool.
     assert table.cost_order == ("naive", "legolink:16") and table.model == "smollm2-135m"
@@ -288,7 +297,8 @@ def test_bench_calibrate_refuses_runs_repaired_with_another_checkpoint(tmp_path,
         record = {"path": f"/ckpt/{name}", "weights_sha256": digest, "width": 128, "blocks": 4, "training_steps": 9}
         (run / "results.json").write_text(json.dumps({**report, "repair_checkpoint": record}))
     capsys.readouterr()
-    assert main(["bench", "calibrate", str(tmp_path / "shipped"), "--out", str(tmp_path / "t.json")]) == 0
+    assert main(["bench", "calibrate", str(tmp_path / "shipped"), "--min-questions", "1",
+                 "--out", str(tmp_path / "t.json")]) == 0
     assert main(["bench", "calibrate", str(tmp_path / "shipped"), str(tmp_path / "trial")]) == 1
     err = capsys.readouterr().err
     assert "trial" in err and "/ckpt/trial" in err and "other than the one shipped for smollm2-135m" in err
@@ -322,5 +332,5 @@ def test_bench_calibrate_counts_a_question_measured_twice_once(tmp_path):
     again = _stored_run(tmp_path / "again", "smollm2-135m", "exact",
                         [("full", 1200, 0.0, 4.0), ("naive", 1200, 0.2, 0.5), ("cacherepair", 1200, 0.1, 0.7)],
                         ids=["q1", "q1", "q1"])
-    table = calibration_from_runs([read_run(run) for run in (first, other_set, again)])
+    table = calibration_from_runs([read_run(run) for run in (first, other_set, again)], min_questions=1)
     assert table.kl["naive"] == {"1024-2048": 0.5} and table.kl["cacherepair"] == {"1024-2048": 0.1}

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from rag_server.bench.common import reporting_errors
-from rag_server.bench.quality import calibration_from_runs, read_run
+from rag_server.bench.quality import MIN_CELL_QUESTIONS, calibration_from_runs, read_run
 
 
 def register(commands) -> None:
@@ -25,6 +25,9 @@ def register(commands) -> None:
     )
     calibrate.add_argument("runs", nargs="+", type=Path, metavar="RUN",
                            help="a run's results.json, or the folder holding it")
+    calibrate.add_argument("--min-questions", type=int, default=MIN_CELL_QUESTIONS, metavar="N",
+                           help="leave out a policy's mean over a prompt-size bucket with fewer questions "
+                           "(`auto` then reads its nearest bucket; default %(default)s)")
     calibrate.add_argument("--out", type=Path, default=None, metavar="FILE",
                            help="where to write the table (default: standard output); "
                            "`picrag serve --calibration FILE` loads it")
@@ -33,7 +36,7 @@ def register(commands) -> None:
 
 @reporting_errors("calibrate")
 def _main(args) -> int:
-    table = calibration_from_runs([read_run(path) for path in args.runs])
+    table = calibration_from_runs([read_run(path) for path in args.runs], args.min_questions)
     text = json.dumps(table.as_json(), indent=2) + "\n"
     if args.out is None:
         sys.stdout.write(text)

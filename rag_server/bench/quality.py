@@ -214,14 +214,20 @@ def speed_order(speedups: list[dict[str, float]]) -> list[str]:
     return sorted(policies, key=lambda p: -policy_term[p])
 
 
+# A (policy, bucket) mean over fewer questions is left out of a table, and `auto` reads the nearest
+# bucket measured on enough instead: a HotpotQA run puts one or two of its 40 prompts in the
+# ">=2048" bucket, whose mean would then stand for every long prompt.
+MIN_CELL_QUESTIONS = 5
+
+
 def calibration_table(runs: list[tuple[list[QuestionResult], dict[str, dict[str, Any]]]], model: str,
-                      source: str) -> CalibrationTable:
+                      source: str, min_questions: int = MIN_CELL_QUESTIONS) -> CalibrationTable:
     """`auto`'s table from one run or several (each run's per-question results and summary): mean
     first-token KL per chunk-reusing policy and prompt-size bucket, pooled over every question of
-    every run, the policies ordered by TTFT speed-up over full (fastest, i.e. cheapest, first;
-    `speed_order`). Repairing policies are taken to have run with the checkpoint shipped for
-    the model (what a bench that starts its own server serves; check_shipped_repair refuses runs
-    that record another)."""
+    every run (buckets with at least `min_questions`), the policies ordered by TTFT speed-up over
+    full (fastest, i.e. cheapest, first; `speed_order`). Repairing policies are taken to have run
+    with the checkpoint shipped for the model (what a bench that starts its own server serves;
+    check_shipped_repair refuses runs that record another)."""
     # Keyed by canonical name, so `legolink` in one run and `legolink:16` in another pool.
     kls: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     speedups: list[dict[str, float]] = []
@@ -231,12 +237,13 @@ def calibration_table(runs: list[tuple[list[QuestionResult], dict[str, dict[str,
                 kls[parse_policy(r.policy).name][size_bucket(r.prompt_tokens)].append(r.first_token_kl)
         speedups.append({parse_policy(policy).name: values["ttft_speedup_vs_full"]
                          for policy, values in summary.items() if values["ttft_speedup_vs_full"] is not None})
-    measured = [p for p in speed_order(speedups) if p in kls]
+    cells = {p: {bucket: round(statistics.fmean(kls[p][bucket]), 4) for bucket in bucket_labels(BUCKET_BOUNDS)
+                 if len(kls[p].get(bucket, ())) >= min_questions} for p in kls}
+    measured = [p for p in speed_order(speedups) if cells.get(p)]
     repairs = any(parse_policy(p).family.repairs for p in measured)
     return CalibrationTable(
         model=model, cost_order=tuple(measured),
-        kl={p: {bucket: round(statistics.fmean(kls[p][bucket]), 4) for bucket in bucket_labels(BUCKET_BOUNDS)
-                if bucket in kls[p]} for p in measured},
+        kl={p: cells[p] for p in measured},
         bounds=BUCKET_BOUNDS, repair_checkpoint=model if repairs and (SHIPPED_DIR / model).is_dir() else None,
         source=source,
     )
@@ -256,7 +263,7 @@ def check_shipped_repair(model: str, records: list[tuple[str, dict[str, Any] | N
                          "a calibration table must describe the checkpoint `picrag serve` uses")
 
 
-def calibration_from_runs(runs: list[StoredRun]) -> CalibrationTable:
+def calibration_from_runs(runs: list[StoredRun], min_questions: int = MIN_CELL_QUESTIONS) -> CalibrationTable:
     """One table from stored runs of one model whose KLs were measured the same way."""
     if not runs:
         raise BenchError("no runs given")
@@ -285,7 +292,7 @@ def calibration_from_runs(runs: list[StoredRun]) -> CalibrationTable:
                 seen.add(key)
                 kept.append(r)
         pooled.append((kept, run.summary))
-    return calibration_table(pooled, models.pop(), source)
+    return calibration_table(pooled, models.pop(), source, min_questions)
 
 
 def pareto_plot(summary: dict[str, dict[str, Any]], path: Path, title: str) -> None:
