@@ -119,14 +119,17 @@ def test_the_gateway_hashes_routing_keys():
 
 
 def test_a_gateway_that_cannot_start_says_why(tmp_path):
+    log = tmp_path / "gateway.log"
+    log.write_text("an earlier run's last line\n")  # the log is appended to; only this run's lines are quoted
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
-        gateway = Gateway(GatewayConfig(("http://127.0.0.1:9",), holder.getsockname()[1]),
-                          log_file=tmp_path / "gateway.log")
-        with pytest.raises(GatewayStartError, match="exited with code 1 during start(.|\n)*Address already in use"):
+        gateway = Gateway(GatewayConfig(("http://127.0.0.1:9",), holder.getsockname()[1]), log_file=log)
+        with pytest.raises(GatewayStartError, match="exited with code 1 during start(.|\n)*Address already in use") as error:
             gateway.start(timeout_s=60)
     assert gateway.death() is not None
+    assert "earlier run" not in str(error.value)
+    assert log.read_text().startswith("an earlier run's last line\n")
 
 
 # --- two writers of one chunk file ----------------------------------------------------------------

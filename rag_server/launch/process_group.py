@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 from pathlib import Path
+from typing import BinaryIO
 
 logger = logging.getLogger(__name__)
 
@@ -34,14 +35,26 @@ def stop_process_group(process: subprocess.Popen, name: str, grace_s: float) -> 
     process.wait()
 
 
-def died_during_start(process: subprocess.Popen, name: str, log_file: Path | None) -> str:
-    """The error for a child that exited before it was ready: its exit code and the end of its log,
-    so the reason reaches whoever reads the error (a CI log shows no other file)."""
+def open_start_log(log_file: Path | None) -> tuple[BinaryIO | None, int]:
+    """The child's log opened for appending (a restart keeps the earlier runs' lines), and where
+    this run's lines begin in it; (None, 0) without a log."""
+    if log_file is None:
+        return None, 0
+    handle = open(log_file, "ab")
+    return handle, handle.tell()
+
+
+def died_during_start(process: subprocess.Popen, name: str, log_file: Path | None, since: int = 0) -> str:
+    """The error for a child that exited before it was ready: its exit code and the end of what it
+    wrote to its log from byte `since` on (this run's lines, not an earlier run's), so the reason
+    reaches whoever reads the error (a CI log shows no other file)."""
     message = f"{name} exited with code {process.returncode} during start"
     if log_file is None:
         return message
     try:
-        lines = log_file.read_text(errors="replace").splitlines()
+        with open(log_file, "rb") as log:
+            log.seek(since)
+            lines = log.read().decode(errors="replace").splitlines()
     except OSError:
         return f"{message}; see {log_file}"
     tail = [_ANSI_ESCAPE.sub("", line) for line in lines if line.strip()][-START_LOG_LINES:]

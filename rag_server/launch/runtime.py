@@ -21,7 +21,7 @@ import httpx
 import psutil
 
 from rag_server.launch.ports import free_port
-from rag_server.launch.process_group import died_during_start, stop_process_group
+from rag_server.launch.process_group import died_during_start, open_start_log, stop_process_group
 
 logger = logging.getLogger(__name__)
 
@@ -187,15 +187,17 @@ class SGLangRuntime:
             c.model_path, c.device, c.dtype, c.attention_backend,
             c.radix_cache_backend or "sglang-default", c.max_total_tokens, c.chunk_store or "off", c.url,
         )
-        stdout = open(self.log_file, "ab") if self.log_file else None
+        stdout, log_start = open_start_log(self.log_file)
         self.process = subprocess.Popen(
             c.command(), env=c.env(), start_new_session=True,
             stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
         )
+        if stdout:
+            stdout.close()  # the child holds its own copy
         started = time.monotonic()
         while time.monotonic() - started < timeout_s:
             if self.process.poll() is not None:
-                raise RuntimeStartError(died_during_start(self.process, "SGLang runtime", self.log_file))
+                raise RuntimeStartError(died_during_start(self.process, "SGLang runtime", self.log_file, log_start))
             if self.healthy():
                 self._workers = _workers_of(self.process.pid)
                 logger.info("SGLang runtime ready in %.0f s (workers: %s)", time.monotonic() - started,
