@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from rag_server.launch.process_group import died_during_start, open_start_log, stop_process_group
+from rag_server.launch.process_group import died_during_start, start_in_own_group, stop_process_group
 from rag_server.launch.ports import free_port
 
 logger = logging.getLogger(__name__)
@@ -83,13 +83,7 @@ class Gateway:
         """Start the gateway and wait until it routes to at least one healthy worker."""
         logger.info("Starting the model gateway (smg, policy %s) at %s over %s",
                     ROUTING_POLICY, self.url, ", ".join(self.config.worker_urls))
-        stdout, log_start = open_start_log(self.log_file)
-        self.process = subprocess.Popen(
-            self.config.command(), start_new_session=True,
-            stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
-        )
-        if stdout:
-            stdout.close()  # the child holds its own copy
+        self.process, log_start = start_in_own_group(self.config.command(), self.log_file)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -10,7 +10,6 @@ import re
 import signal
 import subprocess
 from pathlib import Path
-from typing import BinaryIO
 
 logger = logging.getLogger(__name__)
 
@@ -35,16 +34,19 @@ def stop_process_group(process: subprocess.Popen, name: str, grace_s: float) -> 
     process.wait()
 
 
-def open_start_log(log_file: Path | None) -> tuple[BinaryIO | None, int]:
-    """The child's log opened for appending (a restart keeps the earlier runs' lines), and where
-    this run's lines begin in it; (None, 0) without a log."""
+def start_in_own_group(command: list[str], log_file: Path | None,
+                       env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
+    """The child started in its own process group, its stdout and stderr appended to `log_file`
+    (a restart keeps the earlier runs' lines; None: inherited), and the byte offset where this
+    run's lines begin in the log, for `died_during_start`."""
     if log_file is None:
-        return None, 0
-    handle = open(log_file, "ab")
-    return handle, handle.tell()
+        return subprocess.Popen(command, env=env, start_new_session=True), 0
+    with open(log_file, "ab") as log:  # the child holds its own copy of the handle
+        start = log.tell()  # before the child shares the file offset and moves it
+        return subprocess.Popen(command, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT), start
 
 
-def died_during_start(process: subprocess.Popen, name: str, log_file: Path | None, since: int = 0) -> str:
+def died_during_start(process: subprocess.Popen, name: str, log_file: Path | None, since: int) -> str:
     """The error for a child that exited before it was ready: its exit code and the end of what it
     wrote to its log from byte `since` on (this run's lines, not an earlier run's), so the reason
     reaches whoever reads the error (a CI log shows no other file)."""

@@ -21,7 +21,7 @@ import httpx
 import psutil
 
 from rag_server.launch.ports import free_port
-from rag_server.launch.process_group import died_during_start, open_start_log, stop_process_group
+from rag_server.launch.process_group import died_during_start, start_in_own_group, stop_process_group
 
 logger = logging.getLogger(__name__)
 
@@ -187,13 +187,7 @@ class SGLangRuntime:
             c.model_path, c.device, c.dtype, c.attention_backend,
             c.radix_cache_backend or "sglang-default", c.max_total_tokens, c.chunk_store or "off", c.url,
         )
-        stdout, log_start = open_start_log(self.log_file)
-        self.process = subprocess.Popen(
-            c.command(), env=c.env(), start_new_session=True,
-            stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
-        )
-        if stdout:
-            stdout.close()  # the child holds its own copy
+        self.process, log_start = start_in_own_group(c.command(), self.log_file, env=c.env())
         started = time.monotonic()
         while time.monotonic() - started < timeout_s:
             if self.process.poll() is not None:
