@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors import SafetensorError
 
+from rag_server.bench.load import flush_when_idle
 from sglang_patches import disk_chunk_store, plugin
 from sglang_patches.chunk_cache import CacheCounters, ChunkRadixCache
 from sglang_patches.chunk_key import chunk_key
@@ -323,7 +324,7 @@ def test_a_server_on_a_full_disk_keeps_serving(tmp_path, tiny_disk, layout, musi
         with server.client() as client:
             first = generate(client, prompt.input_ids, "naive", prompt.chunks, logprobs=True)
             failed = wait_for_counter(client, "disk_write_failures", segments)
-            client.post("/flush_cache").raise_for_status()
+            flush_when_idle(client)
             second = generate(client, prompt.input_ids, "naive", prompt.chunks, logprobs=True)
             again = wait_for_counter(client, "disk_write_failures", 2 * segments)
             healthy = client.get("/health").status_code
