@@ -411,12 +411,14 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.set_defaults(func=_model_prepare)
 
     from rag_server.bench import calibrate as bench_calibrate, load as bench_load, quality as bench_quality
+    from rag_server.bench import transparency_cli as bench_transparency
 
-    bench = commands.add_parser("bench", help="quality and load benchmarks of the link policies, and auto's calibration")
+    bench = commands.add_parser("bench", help="quality and load benchmarks of the link policies, auto's calibration, and the cache-transparency fuzzer")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="KIND")
     bench_quality.register(bench_commands)
     bench_load.register(bench_commands)
     bench_calibrate.register(bench_commands)
+    bench_transparency.register(bench_commands)
 
     from retrieval.cli import register as register_index_commands
 
