@@ -148,3 +148,15 @@ def picrag_server(default_model_dir: Path, zero_repair_checkpoint: Path, tmp_pat
     )
     yield handle
     stop_picrag_server(handle)
+
+
+@pytest.fixture(scope="session")
+def shipped_checkpoint_server(default_model_dir: Path, tmp_path_factory) -> ServerHandle:
+    """`picrag serve` with its defaults' CacheRepair checkpoint (the one shipped for the default
+    model), for end-to-end tests where cacherepair must repair: picrag_server's zero checkpoint
+    makes it naive. No shadow samples: they would be traffic of their own between a test's requests."""
+    log = tmp_path_factory.mktemp("shipped-server") / "server.log"
+    handle = start_picrag_server(
+        log, ["--shadow-rate", "0", *shlex.split(os.environ.get("PICRAG_TEST_SERVER_ARGS", ""))])
+    yield handle
+    stop_picrag_server(handle)

@@ -53,6 +53,9 @@ class FuzzConfig:
     cross_checks: bool = True  # the form and route checks (they cost references of their own)
     shrink_per_signature: int = 2  # violations of one (check, route, family, kind) made minimal
     max_reported: int = 200  # violations kept in the report (all are counted)
+    # Seconds after which no new episode starts and nothing more is shrunk (None: play them all);
+    # the episodes played are then the first ones of the seed's list.
+    time_budget_s: Optional[float] = None
 
 
 @dataclass
@@ -213,8 +216,15 @@ class Fuzzer:
     def run(self, episodes: list[list[Request]], report: Optional[Report] = None) -> Report:
         report = report or Report(self.config.seed, self.config.tolerance, max_reported=self.config.max_reported)
         started = time.perf_counter()
+        budget = self.config.time_budget_s
+
+        def over_budget() -> bool:
+            return budget is not None and time.perf_counter() - started > budget
+
         shrunk: Counter = Counter()
         for number, episode in enumerate(episodes):
+            if over_budget():
+                break
             report.episodes += 1
             observations = self.play(episode)
             for index, (request, observed) in enumerate(zip(episode, observations)):
@@ -231,7 +241,7 @@ class Fuzzer:
                     violation = Violation("transparency", request, difference, list(episode[:index]),
                                           reference_reuse=_reuse(reference), observed_reuse=_reuse(observed),
                                           episode=number)
-                    if shrunk[violation.signature] < self.config.shrink_per_signature:
+                    if shrunk[violation.signature] < self.config.shrink_per_signature and not over_budget():
                         shrunk[violation.signature] += 1
                         violation.minimal = self.shrink(violation.preceding, request)
                     report.record(violation)

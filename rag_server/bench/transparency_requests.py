@@ -161,10 +161,11 @@ class Corpus:
         for _ in range(families):
             base = fresh(rng.randint(24, 44))
             cut = rng.choice([len(base) - 1, rng.randint(len(base) // 2, len(base) - 1)])
+            other_first = rng.choice([1, 2])
             built.append((
                 base,
                 base[:cut] + fresh(rng.randint(4, 20)),  # same start, another end
-                fresh(rng.choice([1, 2])) + base[2:],  # the same rest after k = 2
+                fresh(other_first) + base[other_first:],  # the same rest after k = 2
                 fresh(4) + base[4:],  # the same rest after k = 4
             ))
         head = fresh(rng.randint(8, 14))
