@@ -25,6 +25,7 @@ find a minimal sequence of attackers that still moves the victim.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections import Counter
@@ -37,6 +38,7 @@ from rag_server.bench.transparency_requests import (AUTO, ENGINE, GENERATE, VANI
 from rag_server.bench.transparency_wire import Difference, Observation, Wire, compare
 from sglang_patches.policies import parse_policy
 
+logger = logging.getLogger(__name__)
 # Log-probability rounding allowed between two answers of the same request. Measured on
 # SmolLM2 (CPU, fp32): legitimate sharing moves first-token log-probabilities by at most about
 # 1e-5, violations by 1e-2 and more; the report's `deviation` section shows both sides of a run.
@@ -225,6 +227,9 @@ class Fuzzer:
         for number, episode in enumerate(episodes):
             if over_budget():
                 break
+            if number and number % 50 == 0:
+                logger.info("%d episodes, %d requests, %d violation(s), %.0f s", number, report.requests,
+                            sum(report.violation_counts.values()), time.perf_counter() - started)
             report.episodes += 1
             observations = self.play(episode)
             for index, (request, observed) in enumerate(zip(episode, observations)):

@@ -9,15 +9,15 @@ found which case; a violation that matches none is reported as "other" (a new wa
    victim chunk and then differs (the repaired KV of the shared tokens saw the other tokens);
 3. `logprob-start`: an attacker of the victim's policy that set logprob_start_len inside its
    prompt (SGLang's capped prefix match);
-4. `batch-hints`: hints in SGLang's batch form served where the single form is refused, or a
-   client-set LegoLink layout.
+4. `batch-hints`: hints in SGLang's batch form through the frontend (served where the single
+   form is refused, or answered otherwise), or a client-set LegoLink layout.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-from rag_server.bench.transparency_requests import AUTO, VANILLA, Request
+from rag_server.bench.transparency_requests import AUTO, GENERATE, VANILLA, Request
 from sglang_patches.policies import parse_policy
 
 if TYPE_CHECKING:
@@ -48,7 +48,8 @@ def _same_start(victim: Request, attackers: list[Request]) -> bool:
 
 def likely_case(violation: Violation) -> Optional[str]:
     victim = violation.victim
-    if violation.check == "form" or victim.client_layout:
+    # A batch through the frontend is forwarded as it is: unchecked, and its chunks not compiled.
+    if violation.check == "form" or victim.client_layout or (victim.batch and victim.route == GENERATE):
         return BATCH_HINTS
     attackers = violation.minimal if violation.minimal is not None else violation.preceding
     if any(a.client_layout and a.batch for a in attackers):

@@ -113,7 +113,10 @@ def _main(args) -> int:
     with httpx.Client(base_url=url, timeout=600) as frontend, \
             httpx.Client(base_url=engine_url or url, timeout=600) as engine:
         wire = Wire(frontend, engine if engine_url else None, Words.of_tokenizer(tokenizer), tokenizer.bos_token_id)
-        report = fuzz(wire, lambda: flush_when_idle(frontend), config)
+        try:
+            report = fuzz(wire, lambda: flush_when_idle(frontend), config)
+        except httpx.HTTPError as exc:
+            raise BenchError(f"the server stopped answering: {exc}") from exc
     text = json.dumps({"command": " ".join(["picrag", *sys.argv[1:]]), "url": url, "engine_url": engine_url,
                        "config": dataclasses.asdict(config), **report.as_json()}, indent=2)
     if args.out is not None:

@@ -247,7 +247,8 @@ class Generator:
         prompts = tuple(self._prompt(family) for _ in range(2 if batch else 1))
         reorders = policy != VANILLA and parse_policy(policy).family.reordered_layout
         client_layout = route == GENERATE and reorders and rng.random() < 0.3
-        return Request(route, policy, prompts, batch=batch, logprobs=self._logprobs(prompts[0], policy),
+        shortest = min(prompts, key=lambda p: len(p.input_ids))  # logprob_start_len applies to every prompt
+        return Request(route, policy, prompts, batch=batch, logprobs=self._logprobs(shortest, policy),
                        extra_key=rng.choice(EXTRA_KEYS) if rng.random() < 0.15 else None,
                        client_layout=client_layout, max_new_tokens=self.settings.max_new_tokens)
 
