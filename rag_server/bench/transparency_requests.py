@@ -195,6 +195,7 @@ class Generator:
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
         self.corpus = Corpus.build(self.words, self.rng)
+        self._used: list[Prompt] = []  # the prompts of the episode being generated
 
     def episodes(self, requests: int) -> list[list[Request]]:
         """Episodes holding `requests` requests in all."""
@@ -209,10 +210,19 @@ class Generator:
         rng = self.rng
         family = rng.choice(self.corpus.families)
         policy = rng.choice(self.settings.policies)
+        self._used = []
         return [self.request(family, policy if rng.random() < 0.7 else rng.choice(self.settings.policies))
                 for _ in range(size)]
 
     def _prompt(self, family: Sequence[tuple[int, ...]], split: bool = True) -> Prompt:
+        """Often a prompt the episode sent before (the same prompt under other fields), else a new one."""
+        if self._used and self.rng.random() < 0.4:
+            return self.rng.choice(self._used)
+        prompt = self._new_prompt(family, split)
+        self._used.append(prompt)
+        return prompt
+
+    def _new_prompt(self, family: Sequence[tuple[int, ...]], split: bool) -> Prompt:
         rng = self.rng
         head = rng.choice(self.corpus.heads[:2]) if rng.random() < 0.8 else rng.choice(self.corpus.heads)
         passages = [rng.choice(family) for _ in range(rng.choice([1, 1, 2]))]
