@@ -25,9 +25,10 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
+from sglang_patches.attention_backends import NATIVE_BACKEND
 from sglang_patches.position_masks import batch_annotations, position_mask
 
-BACKEND_NAME = "picrag_native"
+BACKEND_NAME = NATIVE_BACKEND
 
 
 def offset_causal_mask(

@@ -14,11 +14,12 @@ paper:
    residual stream's handoff), positions, ``out_cache_loc`` and the extend lengths.
 4. Later layers compute the kept rows only; they attend to the whole row, where dropped chunk
    tokens keep the cached KV written in step 1. The attention backend masks by position
-   (``QUERY_POSITIONS_ATTR``), since the kept rows are scattered through the row.
+   (the annotations' ``query_positions``), since the kept rows are scattered through the row.
 
 The logits processor picks each request's last extend row from the shrunk lengths, so decoding
-and other requests in the batch are untouched. Hooks: an AFTER hook on ``ForwardBatch.init_new``
-(step 1) and an AROUND hook on the decoder layers of the supported models (steps 2-4).
+and other requests in the batch are untouched. Step 1 runs when the batch is made
+(sglang_patches.batch_annotations); steps 2-4 in an AROUND hook on the decoder layers of the
+supported models.
 """
 
 from __future__ import annotations
@@ -30,15 +31,12 @@ from typing import Optional
 
 import torch
 
+from sglang_patches.forward_annotations import annotations_of
+
 logger = logging.getLogger(__name__)
 
 CHECK_LAYER = 1
-PLAN_ATTR = "picrag_blend_plan"  # on a request, set by the chunk cache's match_prefix
-STATE_ATTR = "picrag_blend_state"  # on a forward batch that holds cacheblend requests
-# {batch index: positions of the request's extend rows that are computed} after the check layer.
-QUERY_POSITIONS_ATTR = "picrag_query_positions"
 
-INIT_HOOK_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 LAYER_HOOK_TARGETS = (
     "sglang.srt.models.llama.LlamaDecoderLayer.forward",
     "sglang.srt.models.qwen2.Qwen2DecoderLayer.forward",
@@ -93,15 +91,14 @@ def select_rows(deviation: torch.Tensor, candidates: torch.Tensor, length: int, 
 
 
 @torch.no_grad()
-def prepare_blend(forward_batch, _cls, batch, *_args, **_kwargs):
-    """AFTER hook on ForwardBatch.init_new: put the cached KV in place (step 1)."""
-    if not forward_batch.forward_mode.is_extend() or forward_batch.extend_prefix_lens_cpu is None:
-        return forward_batch
+def prepare_blend(forward_batch, plans: list) -> Optional[BlendState]:
+    """Put the cached KV of the batch's cacheblend requests in place (step 1); `plans`: the
+    requests' link plans (sglang_patches.link_plan), in batch order."""
     requests = []
     kv_pool = None
     starts = forward_batch.extend_start_loc.tolist()
-    for index, req in enumerate(batch.reqs):
-        plan: Optional[BlendPlan] = getattr(req, PLAN_ATTR, None)
+    for index, link_plan in enumerate(plans):
+        plan: Optional[BlendPlan] = None if link_plan is None else link_plan.blend
         if plan is None:
             continue
         kv_pool = plan.cache.kv_pool
@@ -112,9 +109,7 @@ def prepare_blend(forward_batch, _cls, batch, *_args, **_kwargs):
         if rows is not None:
             candidates, cached_v = rows
             requests.append(_BlendRows(index, candidates, cached_v, plan.ratio, plan.stats))
-    if requests:
-        setattr(forward_batch, STATE_ATTR, BlendState(kv_pool=kv_pool, requests=requests))
-    return forward_batch
+    return BlendState(kv_pool=kv_pool, requests=requests) if requests else None
 
 
 def _place_cached_kv(plan: BlendPlan, prefix: int, length: int, extend_slots: torch.Tensor):
@@ -151,7 +146,8 @@ def _place_cached_kv(plan: BlendPlan, prefix: int, length: int, extend_slots: to
 
 def run_layer(original, layer, positions, hidden_states, forward_batch, *args, **kwargs):
     """AROUND hook on a decoder layer's forward (steps 2-4)."""
-    state: Optional[BlendState] = getattr(forward_batch, STATE_ATTR, None)
+    annotations = annotations_of(forward_batch)
+    state: Optional[BlendState] = None if annotations is None else annotations.blend
     if state is None:
         return original(layer, positions, hidden_states, forward_batch, *args, **kwargs)
     if state.positions is not None:
@@ -189,7 +185,7 @@ def _shrink(state: BlendState, forward_batch, positions: torch.Tensor, hidden_st
     _shrink_batch(forward_batch, kept, lengths, new_lengths)
     state.positions = positions[kept]
     forward_batch.positions = state.positions
-    setattr(forward_batch, QUERY_POSITIONS_ATTR, query_positions)
+    annotations_of(forward_batch).query_positions = query_positions
     # The residual stream holds a pending (output, residual) pair for every row: fold it into
     # one written residual and keep the selected rows (the stream's own eager-break handoff).
     full = residual_batch.stream_of(forward_batch).snapshot(hidden_states)
@@ -231,6 +227,5 @@ def blend_plan(cache, req, link, prefix_len: int, stats) -> Optional[BlendPlan]:
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(INIT_HOOK_TARGET, prepare_blend, HookType.AFTER)
     for target in LAYER_HOOK_TARGETS:
         HookRegistry.register(target, run_layer, HookType.AROUND)

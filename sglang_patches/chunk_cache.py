@@ -14,18 +14,24 @@ It is SGLang's own `RadixCache`, with two namespaces added through `extra_key`:
   allocator, locking, eviction and release work unchanged. The stored chunk is never
   modified; grafted slots belong to the tree and are evicted LRU like any other node; an
   evicted chunk simply is not grafted, and its tokens are computed as ordinary extend tokens.
-  A linked prompt is keyed by its tokens and its chunk spans (`marked_prompt`; a reordered one
-  by a namespace of its spans and k), so prompts share cached KV only where it is the same KV.
+  Each linked request carries one plan, built when it arrives (sglang_patches.link_plan), and a
+  linked prompt is keyed by everything its cached KV depends on (sglang_patches.tree_keys): two
+  requests share a cached slot only where their policy computes the same value for it. A
+  request with chunk tokens it could not graft (a chunk missing from the store, a graft cut
+  short by `logprob_start_len` or the last prompt token) computes them in context and is not
+  inserted; a cut chunk is reported as such (`picrag_chunks_cut`), so the frontend does not
+  link it again for nothing.
 
 Eviction keeps the chunk store last (`ChunksLast`): every other node (linked prompts, which only
 an exact repeat in the same order could reuse, and vanilla prefixes) is evicted before any
 stored chunk, in the configured order (LRU by default) within each group.
 
 Leases: a linked request's stored chunks are locked from its arrival at the scheduler
-(`lease_chunks`, called by sglang_patches.link_admission) until it is released or aborted, so
-no other request's allocation can evict them between arrival and graft, or while it runs; a
-link that asked to be refused when a chunk is missing is answered before any compute. Leases
-never pin more than LEASE_POOL_SHARE of the pool, and one older than LEASE_TIMEOUT_S lapses, so
+(`lease_chunks`, called by sglang_patches.link_admission) until its graft is done (its first
+forward, sglang_patches.batch_annotations) or it is aborted, so no other request's allocation
+can evict them between arrival and graft; a link that asked to be refused when a chunk is
+missing is answered before any compute. Leases never pin more than LEASE_POOL_SHARE of the pool
+(a chunk leased by several requests counts once), and one older than LEASE_TIMEOUT_S lapses, so
 pinned chunks can never starve the pool.
 
 A client never names these namespaces: its own `extra_key` is moved out of them, and a picrag
@@ -44,10 +50,10 @@ extend tokens whose cached KV is placed in the forward (sglang_patches.cacheblen
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import time
 from array import array
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -57,58 +63,21 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, Ma
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
-from sglang_patches.cacheblend import PLAN_ATTR, blend_plan
+from sglang_patches.cacheblend import blend_plan
+from sglang_patches.chunk_key import chunk_key
 from sglang_patches.disk_chunk_store import CorruptChunkFile, DiskChunkStore
+from sglang_patches.link_hints import MISS_REFUSAL, LinkHintError
+from sglang_patches.link_plan import PLAN_ATTR, LinkPlan, build_plan
 from sglang_patches.repair.kv_repair import RepairSpan, repair_spans
-from sglang_patches.legolink_layout import legolink_layout
-from sglang_patches.link_hints import MISS_REFUSAL, REORDERED_LAYOUT, LinkHintError, LinkRequest
-from sglang_patches.request_guard import NAMESPACE_PREFIX, admitted_link, client_namespace, shape_of_req
+from sglang_patches.request_guard import EngineSettings, admitted_link, client_namespace, shape_of_req
 from sglang_patches.rope_shift import KeyShifter
+from sglang_patches.tree_keys import NAMESPACE_PREFIX
 
 logger = logging.getLogger(__name__)
 
 CHUNK_NAMESPACE = f"{NAMESPACE_PREFIX}chunk"
-LINK_ATTR = "picrag_link"
-STATS_ATTR = "picrag_stats"
-# The true position of every token of a reordered (LegoLink) prompt, read by
-# sglang_patches.positions when the forward batch is built.
-POSITIONS_ATTR = "picrag_positions"
-# A linked prompt's tree key (marked_prompt); token ids stay far below these bits.
-MARKED_PROMPT_ATTR = "picrag_marked_prompt"
-CHUNK_TOKEN = 1 << 40
-CHUNK_START = 1 << 41
 LEASE_POOL_SHARE = 0.5  # leases never lock more of the KV pool than this
 LEASE_TIMEOUT_S = 600.0  # a lease whose request neither ran nor was aborted by then lapses
-
-
-def namespace_of(link: LinkRequest) -> str:
-    """The tree namespace of a linked request: its KV is this family's, so no other family's
-    request may match it."""
-    family = link.family
-    parts = [f"{NAMESPACE_PREFIX}{family.name}"]
-    if family.sink_tokens:
-        parts.append(str(link.sink_token))
-    if family.reordered_layout:
-        # A reordered prompt's KV depends on k and on where the chunks were, not only on its tokens.
-        spans = ",".join(f"{s}-{e}" for s, e in link.chunks)
-        parts += [str(link.k), hashlib.sha256(spans.encode()).hexdigest()[:16]]
-    return ":".join(parts)
-
-
-def marked_prompt(token_ids, chunks) -> array:
-    """A linked prompt's tree key (families in the original order): every chunk token carries
-    CHUNK_TOKEN, a chunk's first token CHUNK_START too. A token's linked KV depends on which
-    tokens before it were grafted from which chunk, not only on the tokens: the same tokens
-    computed in context, or split into other chunks, are other KV. With the marks in the key,
-    two prompts share a cached prefix only where their chunk spans agree, so no request (a
-    client's spans are its own choice) can leave KV that another request's spans would not
-    give it."""
-    marked = array("q", token_ids)
-    for start, end in chunks:
-        for index in range(start, end):
-            marked[index] |= CHUNK_TOKEN
-        marked[start] |= CHUNK_START
-    return marked
 
 
 def _with_namespace(namespace: str, extra_key: Optional[str]) -> str:
@@ -116,51 +85,10 @@ def _with_namespace(namespace: str, extra_key: Optional[str]) -> str:
 
 
 @dataclass
-class LinkStats:
-    """Per-request accounting, reported in meta_info and summed into the counters."""
-
-    policy: str
-    chunk_hits: int = 0
-    chunk_misses: int = 0
-    reused_tokens: int = 0
-    computed_tokens: int = 0
-    grafted_tokens: int = 0
-    # sglang_patches.first_token_report: the first answer token's log-probabilities, until sent.
-    first_token_logprobs: Optional[str] = None
-
-    def as_meta(self) -> dict[str, int | str]:
-        return {
-            "picrag_policy": self.policy,
-            "picrag_chunk_hits": self.chunk_hits,
-            "picrag_chunk_misses": self.chunk_misses,
-            "picrag_reused_tokens": self.reused_tokens,
-            "picrag_computed_tokens": self.computed_tokens,
-        }
-
-
-@dataclass
 class _Graft:
     source_slots: torch.Tensor
     shift: int
     repair: Optional[RepairSpan] = None  # repairing families: the chunk this graft is part of
-
-
-@dataclass(frozen=True)
-class _Segment:
-    """A span of the prompt as sent that can come from the chunk store."""
-
-    start: int
-    end: int
-    chunk_tokens: list[int]  # the stored chunk it comes from
-    chunk_offset: int  # where in that chunk the span begins
-    shift: int  # true position of the chunk's first token
-    is_chunk: bool  # False for the head (a true prefix, never counted)
-
-    @property
-    def recomputed_whole(self) -> bool:
-        """A chunk whose every token a reordered layout recomputes (k covers it): nothing to
-        graft, no hit or miss, but context for the repair network."""
-        return self.is_chunk and self.start == self.end
 
 
 class ChunksLast(EvictionStrategy):
@@ -177,7 +105,7 @@ class ChunksLast(EvictionStrategy):
 @dataclass
 class _Lease:
     locks: list
-    tokens: int
+    chunks: list[str]  # digests of the stored chunks it holds (a chunk linked twice, twice)
     deadline: float
 
 
@@ -197,10 +125,10 @@ class ChunkRadixCache(RadixCache):
         params,
         kv_pool,
         shifter: KeyShifter,
+        engine: EngineSettings,
         counters: Optional[CacheCounters] = None,
         disk_store: Optional[DiskChunkStore] = None,
         repairer=None,
-        sink_token: Optional[int] = None,
     ):
         if params.page_size != 1:
             raise ValueError(f"picrag's chunk cache needs page_size 1, got {params.page_size}")
@@ -208,29 +136,32 @@ class ChunkRadixCache(RadixCache):
         self.eviction_strategy = ChunksLast(self.eviction_strategy)
         self.kv_pool = kv_pool
         self.shifter = shifter
+        self.engine = engine  # what link admission checks against (the model's BOS, the attention backend)
         self.counters = counters or CacheCounters()
         self.disk_store = disk_store
         self.repairer = repairer  # repair.network.KVRepairer for the repairing families, or None
-        self.sink_token = sink_token  # the model's BOS: what families with sink tokens compile before chunks
 
     def reset(self):
         # Flushing the tree drops every node a lease locks; only an idle server flushes.
         self._leases: dict[str, _Lease] = {}
+        self._leased: Counter[str] = Counter()  # stored chunk digest -> leases holding it
+        self._leased_tokens: dict[str, int] = {}  # stored chunk digest -> its tokens, while leased
         super().reset()
 
     # ---- request routing -------------------------------------------------------------
 
-    def _link_of(self, req) -> Optional[LinkRequest]:
+    def _plan_of(self, req) -> Optional[LinkPlan]:
+        """The request's link plan, built the first time the cache sees it (None: vanilla)."""
         if req is None:
             return None
-        if hasattr(req, LINK_ATTR):
-            return getattr(req, LINK_ATTR)
+        if hasattr(req, PLAN_ATTR):
+            return getattr(req, PLAN_ATTR)
         shape = shape_of_req(req)
         # Runs before the request's first match or insert: from here on, a client's own
         # extra_key can never name one of picrag's namespaces.
         req.extra_key = client_namespace(req.extra_key)
         try:
-            link = admitted_link(req.kv_hints, shape, self.sink_token)
+            link = admitted_link(req.kv_hints, shape, self.engine)
         except LinkHintError as exc:
             # The tokenizer manager refuses these (sglang_patches.request_guard); a request that
             # reached the scheduler some other way is served as vanilla, never as asked.
@@ -242,8 +173,10 @@ class ChunkRadixCache(RadixCache):
             logger.warning("request %s: %s without a repair checkpoint, serving it as %s",
                            req.rid, link.policy, link.family.unrepaired)
             link = dataclasses.replace(link, policy=link.family.unrepaired)
-        setattr(req, LINK_ATTR, link)
+        plan = None
         if link is not None:
+            digest = None if self.repairer is None else self.repairer.checkpoint_digest
+            plan = build_plan(list(req.origin_input_ids), link, digest)
             if not link.family.inserts_into_tree:
                 # full stores nothing. A blended token's KV depends on the whole prompt (the
                 # deviation ranking), so it is no prefix to share; cacheblend's namespace only
@@ -251,27 +184,22 @@ class ChunkRadixCache(RadixCache):
                 req.skip_radix_cache_insert = True
             if link.compile:
                 req.extra_key = CHUNK_NAMESPACE  # admitted compiles carry no namespace of the client's
-            elif link.family.reuses_chunks:
-                req.extra_key = _with_namespace(namespace_of(link), req.extra_key)
-            if link.layout == REORDERED_LAYOUT:
-                order = legolink_layout(len(req.origin_input_ids), list(link.chunks), link.k).order
-                setattr(req, POSITIONS_ATTR, order)
-            elif link.family.reuses_chunks and link.chunks:
-                setattr(req, MARKED_PROMPT_ATTR, marked_prompt(req.origin_input_ids, link.chunks))
-            setattr(req, STATS_ATTR, LinkStats(policy="compile" if link.compile else link.policy))
-        return link
+            elif plan.namespace is not None:
+                req.extra_key = _with_namespace(plan.namespace, req.extra_key)
+        setattr(req, PLAN_ATTR, plan)
+        return plan
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         req = params.req
-        link = self._link_of(req)
+        plan = self._plan_of(req)
         key = params.key
-        if req is not None and (key.extra_key != req.extra_key or hasattr(req, MARKED_PROMPT_ATTR)):
-            # SGLang built the key from the plain tokens, before _link_of namespaced the request.
+        if req is not None and (key.extra_key != req.extra_key or (plan is not None and plan.tree_key is not None)):
+            # SGLang built the key from the plain tokens, before _plan_of namespaced the request.
             key = RadixKey(self._tree_tokens(req, key.token_ids), req.extra_key, is_bigram=key.is_bigram,
                            limit=key.limit, cache_salt=key.cache_salt)
-        if link is None:
+        if plan is None:
             return super().match_prefix(dataclasses.replace(params, key=key))
-        stats: LinkStats = getattr(req, STATS_ATTR)
+        link, stats = plan.link, plan.stats
         if not link.family.matches_tree:
             result = self._empty_match_result
         else:
@@ -279,19 +207,16 @@ class ChunkRadixCache(RadixCache):
                 found = self.lookup_chunk(req.origin_input_ids)
                 if found is not None:
                     self.unlock(found[2])
-            if link.family.reuses_chunks and link.chunks and not self.disable:
-                repair = link.family.repairs and self.repairer is not None
-                segments = self._segments(req, link)
-                # Chunks a policy recomputes whole (legolink with k >= their length) are no misses.
-                n_chunks = sum(seg.is_chunk and not seg.recomputed_whole for seg in segments)
-                self._graft_chunks(key, segments, stats, n_chunks, repair)
+            if plan.segments and not self.disable:
+                self._graft_chunks(key, plan)
                 if stats.chunk_misses:
-                    # Its missing chunks are computed as ordinary tokens, in context: that KV is
-                    # not this policy's and must not serve a later request as if it were.
+                    # Chunks it could not graft are computed as ordinary tokens, in context:
+                    # that KV is not this policy's and must not serve a later request as if it
+                    # were (sglang_patches.tree_keys).
                     req.skip_radix_cache_insert = True
             result = super().match_prefix(dataclasses.replace(params, key=key))
             if link.family.blends_chunks and not self.disable:
-                setattr(req, PLAN_ATTR, blend_plan(self, req, link, result.device_prefix_len, stats))
+                plan.blend = blend_plan(self, req, link, result.device_prefix_len, stats)
         prompt_len = len(req.origin_input_ids)
         stats.reused_tokens = result.device_prefix_len
         stats.computed_tokens = prompt_len - result.device_prefix_len
@@ -304,10 +229,10 @@ class ChunkRadixCache(RadixCache):
     @staticmethod
     def _tree_tokens(req, token_ids):
         """The tree key's tokens for `token_ids` (a prefix of the request's prompt and output)."""
-        marked = getattr(req, MARKED_PROMPT_ATTR, None)
-        if marked is None:
+        plan: Optional[LinkPlan] = getattr(req, PLAN_ATTR, None)
+        if plan is None or plan.tree_key is None:
             return token_ids
-        return marked[: len(token_ids)] + array("q", token_ids[len(marked):])
+        return plan.tree_key[: len(token_ids)] + array("q", token_ids[len(plan.tree_key):])
 
     def _insert_cache(self, req, token_ids, **kwargs):
         # SGLang's one place that keys what a request computed (its release and checkpoints).
@@ -315,47 +240,57 @@ class ChunkRadixCache(RadixCache):
 
     # ---- leases ----------------------------------------------------------------------
 
-    def _needed_chunks(self, req, link: LinkRequest) -> list[list[int]]:
-        """The stored chunks a linked request reads (as stored: behind its sinks)."""
-        if link.family.blends_chunks:
-            prompt = req.origin_input_ids
-            return [list(prompt[s:e]) for s, e in link.chunks]
-        return [seg.chunk_tokens for seg in self._segments(req, link) if seg.is_chunk and not seg.recomputed_whole]
-
     def lease_chunks(self, req) -> Optional[str]:
-        """Lock the stored chunks `req` links until it is released (see the module docstring).
+        """Lock the stored chunks `req` links until its graft is done (see the module docstring).
         Returns why the request must be refused now (MISS_REFUSAL: a chunk is not stored and the
         link asked to be refused then), or None to queue it."""
-        link = self._link_of(req)
-        if link is None or link.compile or not (link.family.reuses_chunks and link.chunks) or self.disable:
+        plan = self._plan_of(req)
+        if plan is None or not plan.stored_chunks or self.disable:
             return None
         self._expire_leases()
-        needed = self._needed_chunks(req, link)
-        locks, missing = [], 0
-        for tokens in needed:
+        locks, digests, missing = [], [], 0
+        new_tokens: dict[str, int] = {}  # chunks no lease holds yet: what this one adds to the pinned share
+        for tokens in plan.stored_chunks:
             found = self.lookup_chunk(tokens)
             if found is None:
                 missing += 1
-            else:
-                locks.append(found[2])
-        tokens = sum(len(t) for t in needed)
-        leased = sum(lease.tokens for lease in self._leases.values())
-        if (missing and link.refuse_on_miss) or leased + tokens > LEASE_POOL_SHARE * self.kv_pool.size:
+                continue
+            locks.append(found[2])
+            digests.append(digest := chunk_key(tokens))
+            if digest not in self._leased:
+                new_tokens[digest] = len(tokens)
+        if (missing and plan.link.refuse_on_miss) or self.leased_tokens + sum(new_tokens.values()) > LEASE_POOL_SHARE * self.kv_pool.size:
             for lock in locks:
                 self.unlock(lock)
-            if missing and link.refuse_on_miss:
+            if missing and plan.link.refuse_on_miss:
                 self.counters.add("link_refusals")
-                return f"{MISS_REFUSAL}: {missing} of {len(needed)} chunk(s) missing"
+                return f"{MISS_REFUSAL}: {missing} of {len(plan.stored_chunks)} chunk(s) missing"
             self.counters.add("leases_over_share")
             return None
         self._release_lease(req.rid)
-        self._leases[req.rid] = _Lease(locks, tokens, time.monotonic() + LEASE_TIMEOUT_S)
+        self._leases[req.rid] = _Lease(locks, digests, time.monotonic() + LEASE_TIMEOUT_S)
+        self._leased.update(digests)
+        self._leased_tokens.update(new_tokens)
+        rid = req.rid
+        plan.end_lease = lambda: self._release_lease(rid)
         return None
 
     def _release_lease(self, rid: str) -> None:
         lease = self._leases.pop(rid, None)
-        for lock in lease.locks if lease is not None else ():
+        if lease is None:
+            return
+        for lock in lease.locks:
             self.unlock(lock)
+        self._leased.subtract(lease.chunks)
+        for digest in lease.chunks:
+            if self._leased[digest] <= 0:
+                del self._leased[digest]
+                self._leased_tokens.pop(digest, None)
+
+    @property
+    def leased_tokens(self) -> int:
+        """Tokens of the pool the leases pin: each leased chunk once, however many leases hold it."""
+        return sum(self._leased_tokens.values())
 
     def _expire_leases(self) -> None:
         now = time.monotonic()
@@ -444,57 +379,43 @@ class ChunkRadixCache(RadixCache):
             logger.warning("could not queue chunk save: %s: %s", type(exc).__name__, exc)
             self.counters.add("disk_saves_dropped")
 
-    @staticmethod
-    def _segments(req, link: LinkRequest) -> list[_Segment]:
-        prompt = list(req.origin_input_ids)
-        head_end = link.chunks[0][0]
-        if link.layout == REORDERED_LAYOUT:
-            layout = legolink_layout(len(prompt), list(link.chunks), link.k)
-            original = layout.restore(prompt)
-            # An empty rest (k covers the whole chunk) stays as a segment: see recomputed_whole.
-            chunk_spans = [
-                (rest_start, rest_end, original[s:e], min(link.k, e - s), s)
-                for (s, e), (rest_start, rest_end) in zip(link.chunks, layout.rests)
-            ]
-        elif link.family.blends_chunks:
-            # Only the head is grafted: the chunks are extend tokens, their cached KV is placed
-            # in the forward (sglang_patches.cacheblend).
-            original, chunk_spans = prompt, []
-        else:
-            original = prompt
-            # legolink0 chunks are stored behind sink tokens: skip them, shift by their count.
-            sinks = link.family.sink_tokens
-            chunk_spans = [(s, e, link.stored_chunk(prompt[s:e]), sinks, s - sinks) for s, e in link.chunks]
-        # The head (system prompt) is a true prefix: compiled at position 0 it is exact KV, so
-        # it is grafted from the chunk store unshifted, but it is not a chunk (never counted,
-        # never recomputed by a link step).
-        head = [_Segment(0, head_end, original[:head_end], 0, 0, False)] if head_end > 0 else []
-        return head + [_Segment(*span, is_chunk=True) for span in chunk_spans]
-
-    def _graft_chunks(
-        self, key: RadixKey, segments: list[_Segment], stats: LinkStats, n_chunks: int, repair: bool = False
-    ) -> None:
+    def _graft_chunks(self, key: RadixKey, plan: LinkPlan) -> None:
+        """Graft the plan's segments that follow the prompt's path in the tree, and count its
+        chunks: hits (on the path or grafted whole), misses (not grafted) and, of the misses,
+        those cut by the request's own shape."""
         values, prefix_node = self._match_prefix_helper(self.root_node, key)
         matched = sum(len(v) for v in values)
-        limit = len(key)
+        limit = len(key)  # SGLang caps the match (the last prompt token, logprob_start_len)
+        stats = plan.stats
+        n_chunks = sum(seg.is_chunk and not seg.recomputed_whole for seg in plan.segments)
         grafts: list[_Graft] = []
         # Repairing families: every chunk the network sees, in prompt order. Chunks already on
         # the path and chunks recomputed whole are context only (nothing of theirs is written).
         network_spans: list[RepairSpan] = []
         locks = [self.lock(prefix_node)]
         position = matched
-        hits_on_path = sum(1 for seg in segments if seg.is_chunk and not seg.recomputed_whole and seg.end <= matched)
-        stats.chunk_hits = hits_on_path
+        hits = hits_on_path = 0
+        cut = False  # grafting stopped where the request's own shape stops it, not the store
+        new_slots = None
         try:
-            for seg in segments:
+            for seg in plan.segments:
                 if seg.end <= matched or seg.recomputed_whole:
                     # Already on this prompt's path in the tree, or nothing of it to graft.
-                    if repair and seg.is_chunk and (found := self.lookup_chunk(seg.chunk_tokens)) is not None:
+                    if plan.repairs and seg.is_chunk:
+                        found = self.lookup_chunk(seg.chunk_tokens)
+                        if found is None:
+                            # The network would not see the context it saw for the chunks on the
+                            # path: what follows cannot get the KV the policy defines.
+                            break
                         locks.append(found[2])
-                        network_spans.append(RepairSpan(found[1], seg.chunk_tokens, seg.shift))
+                        network_spans.append(RepairSpan(found[1], list(seg.chunk_tokens), seg.shift))
+                    hits_on_path += seg.is_chunk and not seg.recomputed_whole
                     continue
                 if seg.start > position or position >= limit:
-                    break  # ordinary tokens before this segment still need computing
+                    # Tokens before this segment are computed (a gap between chunks), or SGLang
+                    # computes from here on: nothing after can be grafted, whatever is stored.
+                    cut = True
+                    break
                 found = self.lookup_chunk(seg.chunk_tokens)
                 if found is None:
                     break
@@ -502,23 +423,29 @@ class ChunkRadixCache(RadixCache):
                 locks.append(lock)
                 take_end = min(seg.end, limit)
                 first = seg.chunk_offset + position - seg.start
-                span = RepairSpan(slots, seg.chunk_tokens, seg.shift, first, take_end - position) if repair and seg.is_chunk else None
-                if span is not None:
+                span = None
+                if plan.repairs and seg.is_chunk:
+                    span = RepairSpan(slots, list(seg.chunk_tokens), seg.shift, first, take_end - position)
                     network_spans.append(span)
                 grafts.append(_Graft(slots[first : first + take_end - position], shift=seg.shift, repair=span))
-                stats.chunk_hits += seg.is_chunk
                 position = take_end
+                if take_end < seg.end:
+                    cut = True  # the rest of this chunk is computed in context
+                    break
+                hits += seg.is_chunk
             new_slots = self._materialize(grafts) if grafts else None
-            if repair and new_slots is not None:
+            if plan.repairs and new_slots is not None:
                 self._repair(network_spans, grafts, new_slots)
         finally:
             for lock in locks:
                 self.unlock(lock)
-        if new_slots is None:
-            stats.chunk_hits = hits_on_path
-            stats.chunk_misses = n_chunks - stats.chunk_hits
-            return
+        if grafts and new_slots is None:
+            hits, cut = 0, False  # the pool is full: nothing was grafted
+        stats.chunk_hits = hits_on_path + hits
         stats.chunk_misses = n_chunks - stats.chunk_hits
+        stats.chunks_cut = stats.chunk_misses if cut else 0
+        if new_slots is None:
+            return
         path_slots = torch.cat(values) if values else self._empty_device_indices
         inserted = self.insert(
             InsertParams(key=key[:position], value=torch.cat((path_slots, new_slots)))
@@ -570,9 +497,10 @@ class ChunkRadixCache(RadixCache):
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
         self._release_lease(req.rid)
-        stats: Optional[LinkStats] = getattr(req, STATS_ATTR, None)
-        if stats is None:
+        plan: Optional[LinkPlan] = getattr(req, PLAN_ATTR, None)
+        if plan is None:
             return
+        stats = plan.stats
         if stats.policy == "compile" and stats.chunk_misses and checkpointed and self.disk_store is not None:
             self._save_to_disk(req.origin_input_ids)
         prefix = "compile_" if stats.policy == "compile" else ""

@@ -42,7 +42,7 @@ def exact_kl(reference: np.ndarray, measured: np.ndarray) -> float:
 
 
 def capture(_result, _scheduler, batch_result, batch) -> None:
-    from sglang_patches.chunk_cache import LINK_ATTR, STATS_ATTR
+    from sglang_patches.link_plan import plan_of
 
     if not batch.forward_mode.is_extend() or batch_result.logits_output is None:
         return None
@@ -50,16 +50,14 @@ def capture(_result, _scheduler, batch_result, batch) -> None:
     if logits is None:
         return None
     for row, req in enumerate(batch.reqs):
-        link = getattr(req, LINK_ATTR, None)
+        plan = plan_of(req)
         # A re-prefill after retraction (output_ids already hold the answer so far) is no first
         # token. A chunked prefill passes here once per piece: each piece's row replaces the one
         # before, and SGLang emits nothing for a request before its last piece has run, so the
         # row sent is the last piece's, the first answer token's.
-        if link is None or not link.report_first_token or req.output_ids:
+        if plan is None or not plan.link.report_first_token or req.output_ids:
             continue
-        stats = getattr(req, STATS_ATTR, None)
-        if stats is not None:
-            stats.first_token_logprobs = encode(logits[row].float().log_softmax(-1).cpu().numpy())
+        plan.stats.first_token_logprobs = encode(logits[row].float().log_softmax(-1).cpu().numpy())
     return None
 
 

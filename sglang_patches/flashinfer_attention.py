@@ -24,9 +24,10 @@ from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_patches.attention import gather_kv
+from sglang_patches.attention_backends import FLASHINFER_BACKEND
 from sglang_patches.position_masks import batch_annotations, position_mask
 
-BACKEND_NAME = "picrag_flashinfer"
+BACKEND_NAME = FLASHINFER_BACKEND
 # The contract of flashinfer.single_prefill_with_kv_cache (NHD layout): q [q_len, Hq, D],
 # k/v [kv_len, Hkv, D]; custom_mask [q_len, kv_len] bool, True = attend; causal aligns the
 # queries with the last q_len keys.

@@ -189,6 +189,9 @@ def parse_link_request(kv_hints: Any) -> Optional[LinkRequest]:
     Parsed strictly: this is the engine's trust boundary, and any client can send kv_hints."""
     if kv_hints is None:
         return None
+    if isinstance(kv_hints, (list, tuple, str, int, float)):
+        # One request carries one envelope (SGLang splits a batch's list before it gets here).
+        raise LinkHintError(f"kv_hints must be one envelope object, got {type(kv_hints).__name__}")
     actions = _field(kv_hints, "actions") or ()
     if not isinstance(actions, (list, tuple)):
         raise LinkHintError("kv_hints.actions must be a list")

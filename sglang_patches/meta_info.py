@@ -2,9 +2,8 @@
 
 SGLang already ships a per-request dict of cache details from the scheduler to the HTTP
 server (``meta_info.cached_tokens_details``); an AFTER hook on the one method that builds it
-adds picrag's flat fields (``picrag_policy``, ``picrag_chunk_hits``, ``picrag_chunk_misses``,
-``picrag_reused_tokens``, ``picrag_computed_tokens``), and a link's first-token distribution
-when it asked for one (sglang_patches.first_token_report). tests/test_sglang_seams.py checks
+adds picrag's flat fields (`sglang_patches.link_plan.LinkStats.as_meta`), and a link's
+first-token distribution when it asked for one (sglang_patches.first_token_report). tests/test_sglang_seams.py checks
 the signature of every function picrag hooks.
 """
 
@@ -17,12 +16,13 @@ HOOK_TARGET = (
 
 
 def add_link_stats(result, _streamer, req):
-    from sglang_patches.chunk_cache import STATS_ATTR
     from sglang_patches.first_token_report import META_KEY, take_for_output
+    from sglang_patches.link_plan import plan_of
 
-    stats = getattr(req, STATS_ATTR, None)
-    if stats is None:
+    plan = plan_of(req)
+    if plan is None:
         return result
+    stats = plan.stats
     meta = {**(result or {"device": 0, "host": 0}), **stats.as_meta()}
     first_token = take_for_output(stats, streamed=bool(req.stream))
     if first_token is not None:

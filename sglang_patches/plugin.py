@@ -10,10 +10,11 @@ SGLang calls `register` early in its main, scheduler and detokenizer processes. 
 * a hook that adds each request's chunk-cache accounting to ``meta_info`` (sglang_patches.meta_info);
 * a hook that keeps the first answer token's full-vocabulary log-probabilities for links that
   ask (sglang_patches.first_token_report);
-* a hook that runs reordered LegoLink prompts at their true positions (sglang_patches.positions);
-* hooks that run CacheBlend's selective recompute in the forward (sglang_patches.cacheblend);
-* a hook that keeps those per-forward annotations on the eager runner's copy of the batch
+* hooks that annotate each extend batch from its requests' link plans (true positions of reordered
+  LegoLink prompts, sglang_patches.positions; CacheBlend's cached KV, sglang_patches.cacheblend),
+  end their chunk leases, and keep the annotations on the eager runner's copy of the batch
   (sglang_patches.batch_annotations);
+* hooks that run CacheBlend's selective recompute in the decoder layers (sglang_patches.cacheblend);
 * a hook on the scheduler's intake that leases a linked request's stored chunks and refuses,
   before any compute, a link whose chunks are missing when it asked so (sglang_patches.link_admission);
 * a hook on the tokenizer manager's per-request validation that refuses token ids outside the
@@ -76,6 +77,7 @@ def _chunk_cache_factory(ctx):
 
     from sglang_patches.chunk_cache import ChunkRadixCache
     from sglang_patches.metrics import prometheus_counters
+    from sglang_patches.request_guard import EngineSettings
     from sglang_patches.selfcheck import ROPE_CHECK_ATTR, rope_shifter
 
     from sglang_patches.repair.kv_repair import load_engine_repairer
@@ -92,8 +94,9 @@ def _chunk_cache_factory(ctx):
     else:
         cache = ChunkRadixCache(
             ctx.params, kv_pool=kv_pool, shifter=shifter,
+            engine=EngineSettings(_sink_token(ctx), ctx.server_args.attention_backend),
             counters=prometheus_counters(), disk_store=_disk_store(ctx, kv_pool),
-            repairer=load_engine_repairer(Path(ctx.server_args.model_path)), sink_token=_sink_token(ctx),
+            repairer=load_engine_repairer(Path(ctx.server_args.model_path)),
         )
         logger.info("picrag chunk radix cache active (pool of %d tokens)", kv_pool.size)
     setattr(cache, ROPE_CHECK_ATTR, rope_check)
@@ -111,7 +114,7 @@ def register() -> None:
 
     from sglang_patches import (
         attention, batch_annotations, cacheblend, first_token_report, flashinfer_attention, lean_decode,
-        link_admission, meta_info, positions, request_guard, rotary, selfcheck,
+        link_admission, meta_info, request_guard, rotary, selfcheck,
     )
 
     if get_radix_cache_factory(RADIX_CACHE_BACKEND) is None:
@@ -120,7 +123,6 @@ def register() -> None:
     flashinfer_attention.register()
     meta_info.register()
     first_token_report.register()
-    positions.register()
     cacheblend.register()
     batch_annotations.register()
     request_guard.register()

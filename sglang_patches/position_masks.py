@@ -1,6 +1,6 @@
 """Attention masks of requests whose KV rows are not in position order, shared by picrag's backends.
 
-Two annotations on a ForwardBatch change which row entries a query may see:
+Two annotations on a ForwardBatch (sglang_patches.forward_annotations) change which row entries a query may see:
 * true positions (sglang_patches.positions): a reordered LegoLink prompt, whose row holds the
   link tokens after every cached chunk although they sit inside the prompt;
 * query positions (sglang_patches.cacheblend): CacheBlend's kept rows, scattered through the row.
@@ -14,13 +14,15 @@ from typing import Optional
 
 import torch
 
+from sglang_patches.forward_annotations import annotations_of
+
 
 def batch_annotations(forward_batch) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
     """Per batch index: the true position of every row entry, and the positions of the queries."""
-    from sglang_patches.cacheblend import QUERY_POSITIONS_ATTR
-    from sglang_patches.positions import TRUE_POSITIONS_ATTR
-
-    return getattr(forward_batch, TRUE_POSITIONS_ATTR, {}), getattr(forward_batch, QUERY_POSITIONS_ATTR, {})
+    annotations = annotations_of(forward_batch)
+    if annotations is None:
+        return {}, {}
+    return annotations.true_positions, annotations.query_positions
 
 
 def true_position_mask(row_positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:

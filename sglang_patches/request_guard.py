@@ -11,12 +11,19 @@ chunk cache is shared by every client. So the engine itself (not only the fronte
 * a picrag action is admitted only as picrag itself sends it (`admitted_link`): a plain token
   prompt; a compile only into the shared store (no client namespace, cache salt or LoRA) and
   generating nothing; a reordered layout only for a family that reorders, with chunks; the sink
-  token only the model's own.
+  token only the model's own; a family only where the attention backend can run it.
 
-The tokenizer manager refuses such requests with a 400 (`register`: a hook on SGLang's
-per-request validation); the chunk cache, which sees every request that reaches the
-scheduler, serves a request whose picrag action it does not admit as a vanilla one
+Every form of `kv_hints` reaches the same check: SGLang splits a batch (one envelope for all
+prompts, or a list of one per prompt) and validates each prompt with its own envelope. The
+tokenizer manager refuses a request that fails it with a 400 (`register`: a hook on SGLang's
+per-request validation); the chunk cache, which sees every request that reaches the scheduler,
+serves a request whose picrag action it does not admit as a vanilla one
 (sglang_patches.chunk_cache).
+
+What an admitted link may still choose (its token order, spans, k, policy) changes only its own
+answer: the tree key of a linked prompt binds everything its cached KV depends on
+(sglang_patches.tree_keys), so no admitted request can leave KV that another request would read
+as its own.
 """
 
 from __future__ import annotations
@@ -26,10 +33,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from sglang_patches.attention_backends import backend_refusal
 from sglang_patches.link_hints import REORDERED_LAYOUT, LinkHintError, LinkRequest, parse_link_request
+from sglang_patches.tree_keys import NAMESPACE_PREFIX
 
 HOOK_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
-NAMESPACE_PREFIX = "picrag:"
 # Where a client's extra_key that starts with NAMESPACE_PREFIX goes instead.
 CLIENT_NAMESPACE_PREFIX = "client:"
 
@@ -72,9 +80,17 @@ class RequestShape:
     other_inputs: tuple[str, ...] = ()  # set fields that make the KV more than the prompt's tokens
 
 
-def admitted_link(kv_hints: Any, shape: RequestShape, sink_token: Optional[int]) -> Optional[LinkRequest]:
+@dataclass(frozen=True)
+class EngineSettings:
+    """What admission needs to know of the engine."""
+
+    sink_token: Optional[int]  # the model's BOS
+    attention_backend: Optional[str]
+
+
+def admitted_link(kv_hints: Any, shape: RequestShape, engine: EngineSettings) -> Optional[LinkRequest]:
     """The picrag action of a request as the engine serves it (None: a vanilla request);
-    LinkHintError for one the engine does not admit. `sink_token`: the model's BOS."""
+    LinkHintError for one the engine does not admit."""
     link = parse_link_request(kv_hints)
     if link is None:
         return None
@@ -89,6 +105,10 @@ def admitted_link(kv_hints: Any, shape: RequestShape, sink_token: Optional[int])
         if shape.max_new_tokens is None or shape.max_new_tokens > 1:
             raise LinkHintError("picrag.compile generates nothing: send max_new_tokens 0 or 1")
         return link
+    refusal = backend_refusal(link.family, engine.attention_backend)
+    if refusal:
+        raise LinkHintError(f"{link.policy} cannot run on this engine: {refusal}")
+    sink_token = engine.sink_token
     if link.family.sink_tokens:
         if sink_token is None:
             raise LinkHintError(f"{link.policy} compiles chunks behind the model's BOS, and this model has none")
@@ -143,8 +163,9 @@ def check_request(manager, obj, input_ids, *args, **kwargs) -> None:
     kv_hints = getattr(obj, "kv_hints", None)
     if kv_hints is not None:
         tokenizer = manager.tokenizer
-        admitted_link(kv_hints, shape_of_input(obj, input_ids or []),
-                      None if tokenizer is None else tokenizer.bos_token_id)
+        engine = EngineSettings(None if tokenizer is None else tokenizer.bos_token_id,
+                                manager.server_args.attention_backend)
+        admitted_link(kv_hints, shape_of_input(obj, input_ids or []), engine)
 
 
 def register() -> None:

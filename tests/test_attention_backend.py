@@ -265,7 +265,7 @@ def test_flashinfer_backend_writes_the_extend_kv_then_masks_annotated_batches(mo
     from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
     from sglang_patches import flashinfer_attention
-    from sglang_patches.positions import TRUE_POSITIONS_ATTR
+    from sglang_patches.forward_annotations import ATTR, ForwardAnnotations
 
     gen = torch.Generator().manual_seed(5)
     seq_lens, extend_lens = [30, 12], [6, 12]
@@ -294,7 +294,7 @@ def test_flashinfer_backend_writes_the_extend_kv_then_masks_annotated_batches(mo
     monkeypatch.setattr(FlashInferAttnBackend, "forward_extend", lambda *args, **kwargs: "stock")
 
     assert backend.forward_extend(query.flatten(1), fresh_k, fresh_v, layer, batch) == "stock"
-    setattr(batch, TRUE_POSITIONS_ATTR, true_positions)
+    setattr(batch, ATTR, ForwardAnnotations(true_positions=true_positions))
     got = backend.forward_extend(query.flatten(1), fresh_k, fresh_v, layer, batch)
 
     k_cache[new_slots], v_cache[new_slots] = fresh_k, fresh_v

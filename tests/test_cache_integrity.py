@@ -19,15 +19,17 @@ import pytest
 from rag_server.api.client_fields import client_link, refused_field
 from rag_server.linking.chunk_compiler import compile_request, segments_to_compile
 from retrieval.prompt_layout import passage_text, question_text
-from sglang_patches.chunk_cache import (CHUNK_NAMESPACE, MARKED_PROMPT_ATTR, POSITIONS_ATTR, ChunkRadixCache,
-                                        marked_prompt, namespace_of)
+from sglang_patches.attention_backends import NATIVE_BACKEND
+from sglang_patches.chunk_cache import CHUNK_NAMESPACE, ChunkRadixCache
 from sglang_patches.link_hints import (COMPILE_ACTION, LINK_ACTION, LinkHintError, LinkRequest, compile_hints,
                                        hints_of, parse_link_request, runtime_request)
-from sglang_patches.request_guard import (RequestShape, admitted_link, check_token_ids, client_namespace,
-                                          shape_of_req)
+from sglang_patches.request_guard import (EngineSettings, RequestShape, admitted_link, check_token_ids,
+                                          client_namespace, shape_of_req)
+from sglang_patches.tree_keys import GRAFTED, SEGMENT_START
 from tests.chunk_requests import passages_of
+from tests.engine_routing import BOS, routed
 
-BOS = 1
+ENGINE = EngineSettings(BOS, NATIVE_BACKEND)
 
 
 def envelope(payload: dict, action_type: str = LINK_ACTION) -> dict:
@@ -72,7 +74,7 @@ PLAIN = RequestShape(prompt_len=40, max_new_tokens=8, namespaced=False)
 ])
 def test_the_engine_refuses_link_fields_a_client_may_not_set(payload, reason):
     with pytest.raises(LinkHintError, match=reason.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
-        admitted_link(envelope(payload), PLAIN, BOS)
+        admitted_link(envelope(payload), PLAIN, ENGINE)
 
 
 def test_the_engine_admits_links_as_picrag_sends_them():
@@ -81,13 +83,31 @@ def test_the_engine_admits_links_as_picrag_sends_them():
                            ("cacheblend:0.3", [(2, 9)]), ("prefix", [(0, 40)]), ("full", [])]:
         link = LinkRequest.of(policy, chunks)
         _, hints = runtime_request(prompt, link)
-        assert admitted_link(hints, PLAIN, BOS).chunks == link.chunks
+        assert admitted_link(hints, PLAIN, ENGINE).chunks == link.chunks
     # legolink0: the engine's own sink, whether or not the hint names it.
     for sink in (None, BOS):
-        admitted = admitted_link(hints_of(LinkRequest.of("legolink0", [(2, 9)], sink)), PLAIN, BOS)
+        admitted = admitted_link(hints_of(LinkRequest.of("legolink0", [(2, 9)], sink)), PLAIN, ENGINE)
         assert admitted.sink_token == BOS
     with pytest.raises(LinkHintError, match="this model has none"):
-        admitted_link(hints_of(LinkRequest.of("legolink0", [(2, 9)], BOS)), PLAIN, None)
+        admitted_link(hints_of(LinkRequest.of("legolink0", [(2, 9)], BOS)), PLAIN, EngineSettings(None, NATIVE_BACKEND))
+
+
+def test_the_engine_refuses_a_family_its_attention_backend_cannot_run():
+    prompt = list(range(100, 140))
+    for policy in ("legolink:4", "cacheblend:0.3", "cacherepair+legolink:2"):
+        _, hints = runtime_request(prompt, LinkRequest.of(policy, [(2, 9), (9, 30)]))
+        with pytest.raises(LinkHintError, match="masked by true position, which the 'torch_native'"):
+            admitted_link(hints, PLAIN, EngineSettings(BOS, "torch_native"))
+    for policy in ("naive", "legolink0", "cacherepair", "prefix"):
+        _, hints = runtime_request(prompt, LinkRequest.of(policy, [(2, 9), (9, 30)], BOS))
+        assert admitted_link(hints, PLAIN, EngineSettings(BOS, "torch_native")).policy == policy
+
+
+def test_kv_hints_are_one_envelope_per_prompt_at_the_engine():
+    hints = hints_of(LinkRequest.of("legolink:4", [(2, 9)]))
+    for form in ([hints], "picrag.link", 7):
+        with pytest.raises(LinkHintError, match="one envelope object"):
+            parse_link_request(form)
 
 
 @pytest.mark.parametrize("shape, reason", [
@@ -98,8 +118,8 @@ def test_the_engine_admits_links_as_picrag_sends_them():
 ])
 def test_compiles_store_only_chunks_computed_alone(shape, reason):
     with pytest.raises(LinkHintError, match=reason):
-        admitted_link(compile_hints(), shape, BOS)
-    assert admitted_link(compile_hints(), RequestShape(10, 1, False), BOS).compile
+        admitted_link(compile_hints(), shape, ENGINE)
+    assert admitted_link(compile_hints(), RequestShape(10, 1, False), ENGINE).compile
 
 
 def test_one_picrag_action_and_an_empty_compile_payload():
@@ -115,33 +135,27 @@ def test_one_picrag_action_and_an_empty_compile_payload():
 # ---- the chunk cache's routing: what reaches the scheduler ---------------------------------
 
 def _routed(hints, extra_key=None, prompt_len=40, **req_fields):
-    cache = object.__new__(ChunkRadixCache)
-    cache.repairer, cache.sink_token = None, BOS
-    req = SimpleNamespace(rid="r", kv_hints=hints, origin_input_ids=array("q", range(100, 100 + prompt_len)),
-                          extra_key=extra_key, skip_radix_cache_insert=False,
-                          sampling_params=SimpleNamespace(max_new_tokens=req_fields.pop("max_new_tokens", 8)),
-                          **req_fields)
-    return cache._link_of(req), req
+    return routed(hints, list(range(100, 100 + prompt_len)), extra_key=extra_key, **req_fields)
 
 
 @pytest.mark.parametrize("extra_key", ["picrag:chunk", "picrag:naive", "picrag:legolink:4:0123456789abcdef"])
 def test_a_client_extra_key_never_names_a_picrag_namespace(extra_key):
-    link, req = _routed(None, extra_key)
-    assert link is None and req.extra_key == client_namespace(extra_key) == f"client:{extra_key}"
-    link, req = _routed(hints_of(LinkRequest.of("naive", [(2, 9)])), extra_key)
-    assert req.extra_key == f"{namespace_of(link)}|client:{extra_key}"
+    plan, req = _routed(None, extra_key)
+    assert plan is None and req.extra_key == client_namespace(extra_key) == f"client:{extra_key}"
+    plan, req = _routed(hints_of(LinkRequest.of("naive", [(2, 9)])), extra_key)
+    assert req.extra_key == f"{plan.namespace}|client:{extra_key}"
     assert _routed(None, "tenant-7")[1].extra_key == "tenant-7"
 
 
 def test_hints_the_engine_does_not_admit_are_served_as_vanilla():
-    link, req = _routed(envelope(issue_payload(40)), "picrag:chunk")
-    assert link is None and not hasattr(req, POSITIONS_ATTR) and req.extra_key == "client:picrag:chunk"
+    plan, req = _routed(envelope(issue_payload(40)), "picrag:chunk")
+    assert plan is None and req.extra_key == "client:picrag:chunk"
     for fields in ({"max_new_tokens": 8}, {"extra_key": "tenant"}, {"cache_salt": "s"},
                    {"positional_embed_overrides": object(), "max_new_tokens": 0}):
-        link, req = _routed(compile_hints(), **fields)
-        assert link is None and req.extra_key != CHUNK_NAMESPACE
-    link, req = _routed(compile_hints(), max_new_tokens=0)
-    assert link.compile and req.extra_key == CHUNK_NAMESPACE
+        plan, req = _routed(compile_hints(), **fields)
+        assert plan is None and req.extra_key != CHUNK_NAMESPACE
+    plan, req = _routed(compile_hints(), max_new_tokens=0)
+    assert plan.link.compile and req.extra_key == CHUNK_NAMESPACE
     fresh = SimpleNamespace(origin_input_ids=[1] * 5, extra_key="lora-id", sampling_params=SimpleNamespace(
         max_new_tokens=0), input_embeds=[[0.0]])
     assert shape_of_req(fresh) == RequestShape(5, 0, True, ("input_embeds",))
@@ -150,14 +164,15 @@ def test_hints_the_engine_does_not_admit_are_served_as_vanilla():
 def test_a_linked_prompt_key_carries_its_chunk_spans():
     """Same tokens, other spans: other KV, so another tree path; the same spans share it."""
     tokens = list(range(100, 140))
-    keys = {spans: marked_prompt(tokens, spans) for spans in
+    keys = {spans: _routed(hints_of(LinkRequest.of("naive", spans)))[0].tree_key for spans in
             [((2, 9), (12, 30)), ((2, 9), (12, 35)), ((2, 9), (12, 20), (20, 30)), ((2, 9),)]}
     assert len({key.tobytes() for key in keys.values()}) == len(keys)
     first, second = keys[((2, 9), (12, 30))], keys[((2, 9), (12, 35))]
     assert first[:30] == second[:30] and first[30:] != second[30:]
     assert list(first[:2]) == tokens[:2] and list(first[9:12]) == tokens[9:12]  # plain tokens stay as they are
-    link, req = _routed(hints_of(LinkRequest.of("naive", [(2, 9), (12, 30)])))
-    assert getattr(req, MARKED_PROMPT_ATTR) == first
+    assert first[2] >= SEGMENT_START and all(first[i] == tokens[i] | GRAFTED for i in range(3, 9))
+    plan, req = _routed(hints_of(LinkRequest.of("naive", [(2, 9), (12, 30)])))
+    assert plan.tree_key == first
     # SGLang keys the prompt and what follows it (outputs stay plain), or a prefix of it.
     assert ChunkRadixCache._tree_tokens(req, array("q", tokens + [5, 6])) == first + array("q", [5, 6])
     assert ChunkRadixCache._tree_tokens(req, array("q", tokens[:20])) == first[:20]
@@ -277,8 +292,8 @@ def attack_extra_key_names_a_linked_namespace(scene: Scene) -> None:
     """Plain requests (prefilled in full) filed under the victims' own linked namespaces."""
     for name in ("naive", "legolink"):
         link = scene.victim(name).link
-        runtime_ids, _ = runtime_request(scene.ids, link)
-        namespace = namespace_of(link)
+        runtime_ids, hints = runtime_request(scene.ids, link)
+        namespace = routed(hints, runtime_ids)[0].namespace
         refused(scene.frontend.post("/generate", json=generate_body(runtime_ids, extra_key=namespace)), "extra_key")
         response = scene.runtime.post("/generate", json=generate_body(runtime_ids, extra_key=namespace))
         assert response.status_code == 200, response.text

@@ -5,14 +5,13 @@ every chunk is full prefill; without a checkpoint the engine serves legolink:K."
 from __future__ import annotations
 
 import re
-from types import SimpleNamespace
 
 import pytest
 
-from sglang_patches.chunk_cache import POSITIONS_ATTR, ChunkRadixCache, namespace_of
 from sglang_patches.link_hints import LinkRequest, runtime_request
 from sglang_patches.policies import parse_policy
 from tests.chunk_requests import assert_same_answer, counters, first_token_top, passages_of, picrag_meta, run
+from tests.engine_routing import REPAIRER, routed
 
 COMBINED = "cacherepair+legolink"
 
@@ -36,36 +35,34 @@ def test_sent_reordered_like_legolink_under_its_own_namespace():
     assert combined_ids == lego_ids != prompt
     assert combined_hints["actions"][0]["payload"] == {
         "policy": COMBINED, "chunks": [list(c) for c in chunks], "k": 4, "layout": "legolink"}
-    namespaces = {namespace_of(link) for link in (combined, lego, LinkRequest.of("cacherepair", chunks))}
+    namespaces = {_routed(REPAIRER, policy, chunks)[0].namespace for policy in (f"{COMBINED}:4", "legolink:4", "cacherepair")}
     assert len(namespaces) == 3
 
 
 def _routed(repairer, policy: str, chunks, prompt_len: int = 20):
-    cache = object.__new__(ChunkRadixCache)  # routing reads the repairer and the sink token only
-    cache.repairer, cache.sink_token = repairer, None
     prompt = list(range(100, 100 + prompt_len))
     input_ids, hints = runtime_request(prompt, LinkRequest.of(policy, chunks))
-    req = SimpleNamespace(rid="r", kv_hints=hints, origin_input_ids=input_ids, extra_key=None,
-                          skip_radix_cache_insert=False)
-    return cache._link_of(req), req
+    return routed(hints, input_ids, repairer=repairer, sink=None)
 
 
 def test_without_a_checkpoint_the_engine_serves_legolink():
     chunks = [(2, 8), (8, 11), (11, 17)]
-    link, req = _routed(None, f"{COMBINED}:4", chunks)
-    assert link.policy == "legolink" and link.k == 4
-    assert req.extra_key == namespace_of(link) == namespace_of(LinkRequest.of("legolink:4", chunks))
-    assert getattr(req, POSITIONS_ATTR) is not None and not req.skip_radix_cache_insert
-    link, req = _routed(object(), f"{COMBINED}:4", chunks)
-    assert link.policy == COMBINED
-    assert req.extra_key == namespace_of(link) != namespace_of(LinkRequest.of("legolink:4", chunks))
+    prompt = list(range(100, 120))
+    plan, req = _routed(None, f"{COMBINED}:4", chunks)
+    assert plan.link.policy == "legolink" and plan.link.k == 4
+    lego_ids, lego_hints = runtime_request(prompt, LinkRequest.of("legolink:4", chunks))
+    assert req.extra_key == plan.namespace == routed(lego_hints, lego_ids, sink=None)[0].namespace
+    assert plan.order is not None and not req.skip_radix_cache_insert
+    combined, req = _routed(REPAIRER, f"{COMBINED}:4", chunks)
+    assert combined.link.policy == COMBINED
+    assert req.extra_key == combined.namespace != plan.namespace
 
 
 def test_the_network_sees_every_chunk_even_one_k_covers_whole():
     chunks = [(2, 8), (8, 11), (11, 17)]
-    link, req = _routed(object(), f"{COMBINED}:4", chunks)
-    segments = ChunkRadixCache._segments(req, link)
-    prompt = list(range(100, 120))
+    plan, req = _routed(REPAIRER, f"{COMBINED}:4", chunks)
+    segments = plan.segments
+    prompt = tuple(range(100, 120))
     # The head, then every chunk in prompt order: the middle one (3 tokens, k = 4) has no rest.
     assert [seg.chunk_tokens for seg in segments] == [prompt[:2]] + [prompt[s:e] for s, e in chunks]
     assert [seg.recomputed_whole for seg in segments] == [False, False, True, False]

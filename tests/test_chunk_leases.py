@@ -6,33 +6,44 @@ and test_chunk_cache_eviction.py."""
 from __future__ import annotations
 
 import os
+from collections import Counter
 from types import SimpleNamespace
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 from sglang_patches.chunk_cache import CacheCounters, ChunkRadixCache
 from sglang_patches.link_hints import MISS_REFUSAL, LinkRequest
+from sglang_patches.link_plan import LinkStats, plan_of
 
 POOL = 1000
 
 
 def fake_cache(stored: dict[str, int]):
     """A ChunkRadixCache whose store holds chunks named by `stored` (name -> tokens); every
-    request links the chunks its `chunks` attribute names. Returns it and its held locks."""
+    request links the chunks its `chunks` attribute names (one letter each). Returns it and its
+    held locks."""
     cache = object.__new__(ChunkRadixCache)
     cache.disable = False
     cache.counters = CacheCounters()
     cache.kv_pool = SimpleNamespace(size=POOL)
-    cache._leases = {}
+    cache._leases, cache._leased, cache._leased_tokens = {}, Counter(), {}
     held: list[str] = []
-    cache._link_of = lambda req: req.link
-    cache._needed_chunks = lambda req, link: [[name] * stored.get(name, 50) for name in req.chunks]
+
+    def plan_of_request(req):
+        req.picrag_plan = SimpleNamespace(
+            stored_chunks=tuple(tuple([ord(name)] * stored.get(name, 50)) for name in req.chunks), link=req.link,
+            stats=LinkStats("naive"), end_lease=None)
+        req.picrag_plan.release_lease = lambda: (req.picrag_plan.end_lease or (lambda: None))()
+        return req.picrag_plan
+
+    cache._plan_of = plan_of_request
 
     def lookup_chunk(tokens):
-        if tokens[0] not in stored:
+        name = chr(tokens[0])
+        if name not in stored:
             return None
-        held.append(tokens[0])
-        return None, None, tokens[0]
+        held.append(name)
+        return None, None, name
 
     cache.lookup_chunk = lookup_chunk
     cache.unlock = held.remove
@@ -44,33 +55,44 @@ def request(rid: str, chunks: list[str], refuse: bool = True):
     return SimpleNamespace(rid=rid, chunks=chunks, link=link)
 
 
-def test_a_link_leases_its_chunks_until_it_is_released_or_aborted():
+def test_a_lease_lasts_until_the_graft_is_done_or_the_request_goes():
     cache, held = fake_cache({"a": 100, "b": 100})
-    assert cache.lease_chunks(request("r1", ["a", "b"])) is None
-    assert cache.lease_chunks(request("r2", ["a"])) is None
-    assert sorted(held) == ["a", "a", "b"]
-    cache.on_release(request("r1", []), checkpointed=True)
-    assert held == ["a"]
-    cache.release_aborted_request(SimpleNamespace(rid="r2", attempt_id=0))
-    assert held == []
+    first, second, third = request("r1", ["a", "b"]), request("r2", ["a"]), request("r3", ["b"])
+    for req in (first, second, third):
+        assert cache.lease_chunks(req) is None
+    assert sorted(held) == ["a", "a", "b", "b"]
+    plan_of(first).release_lease()  # its first forward: grafted
+    assert sorted(held) == ["a", "b"]
+    plan_of(first).release_lease()  # once only
+    assert sorted(held) == ["a", "b"]
+    cache.on_release(SimpleNamespace(rid="r2"), checkpointed=True)  # released before a forward (aborted)
+    assert held == ["b"]
+    cache.release_aborted_request(SimpleNamespace(rid="r3", attempt_id=0))
+    assert held == [] and cache.leased_tokens == 0
 
 
 def test_a_link_missing_a_chunk_is_refused_holding_nothing_unless_it_asked_to_be_computed():
     cache, held = fake_cache({"a": 100})
-    refusal = cache.lease_chunks(request("r1", ["a", "gone"]))
+    refusal = cache.lease_chunks(request("r1", ["a", "g"]))
     assert refusal.startswith(MISS_REFUSAL) and "1 of 2" in refusal and held == []
     assert cache.counters.values["link_refusals"] == 1
     # The last attempt computes what is missing: it is queued, leasing what is there.
-    assert cache.lease_chunks(request("r1", ["a", "gone"], refuse=False)) is None and held == ["a"]
+    assert cache.lease_chunks(request("r1", ["a", "g"], refuse=False)) is None and held == ["a"]
 
 
-def test_leases_never_hold_more_than_their_share_of_the_pool_and_lapse():
-    cache, held = fake_cache({"a": 300, "b": 300})
+def test_the_pinned_share_counts_each_chunk_once_and_leases_lapse():
+    cache, held = fake_cache({"a": 200, "b": 200, "c": 200})
     assert cache.lease_chunks(request("r1", ["a"])) is None and held == ["a"]
-    # 300 + 300 > half the pool of 1000: queued without a lease.
-    assert cache.lease_chunks(request("r2", ["b"])) is None and held == ["a"]
+    # The same chunk again pins nothing more: four leases of "a" are 200 tokens, not 800.
+    for rid in ("r2", "r3", "r4"):
+        assert cache.lease_chunks(request(rid, ["a"])) is None
+    assert cache.leased_tokens == 200 and held == ["a"] * 4
+    assert cache.lease_chunks(request("r5", ["b"])) is None and cache.leased_tokens == 400
+    # 400 + 200 > half the pool of 1000: queued without a lease.
+    assert cache.lease_chunks(request("r6", ["c"])) is None and "c" not in held
     assert cache.counters.values["leases_over_share"] == 1
-    cache._leases["r1"].deadline = 0.0  # its request neither ran nor ended in time
-    assert cache.lease_chunks(request("r3", ["b"])) is None
-    assert held == ["b"] and cache.counters.values["leases_lapsed"] == 1
-
+    for rid in ("r1", "r2", "r3", "r4"):
+        cache._leases[rid].deadline = 0.0  # their requests neither ran nor ended in time
+    assert cache.lease_chunks(request("r7", ["c"])) is None
+    assert sorted(held) == ["b", "c"] and cache.counters.values["leases_lapsed"] == 4
+    assert cache.leased_tokens == 400

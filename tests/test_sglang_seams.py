@@ -148,10 +148,9 @@ def test_cuda_runtime_uses_picrag_flashinfer_without_prefill_graphs(tmp_path):
 
 
 def test_signatures_of_the_forward_hooks():
-    from sglang_patches import batch_annotations, cacheblend, positions
+    from sglang_patches import batch_annotations, cacheblend
 
-    assert positions.HOOK_TARGET == cacheblend.INIT_HOOK_TARGET
-    init_new = resolve(positions.HOOK_TARGET)
+    init_new = resolve(batch_annotations.INIT_HOOK_TARGET)
     assert list(inspect.signature(init_new).parameters)[:2] == ["batch", "model_runner"]
     load_batch = resolve(batch_annotations.HOOK_TARGET)
     assert list(inspect.signature(load_batch).parameters)[:3] == ["self", "forward_batch", "pp_proxy_tensors"]

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from sglang_patches.link_hints import ORIGINAL_LAYOUT, LinkHintError, LinkRequest
-from sglang_patches.request_guard import NAMESPACE_PREFIX, vocabulary_error
+from sglang_patches.request_guard import vocabulary_error
+from sglang_patches.tree_keys import NAMESPACE_PREFIX
 
 
 def _prompts(input_ids: Any) -> list[list[Any]]:

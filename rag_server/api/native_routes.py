@@ -18,7 +18,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Optional
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -58,7 +58,7 @@ async def generate(request: Request) -> Response:
             return await forward(request, body)
         payload, body = marked, json.dumps(marked).encode()
     try:
-        link = parse_link_request(payload["kv_hints"])
+        link = body_link(payload["kv_hints"])
     except LinkHintError as exc:
         return _error(400, str(exc), "invalid_kv_hints")
     if link is None:
@@ -66,6 +66,23 @@ async def generate(request: Request) -> Response:
     if link.compile:
         return await _compile(request, body, payload, state)
     return await _linked(request, payload, link, state)
+
+
+def body_link(kv_hints: Any) -> Optional[LinkRequest]:
+    """The picrag action of a body's `kv_hints` in either of SGLang's forms: one envelope (for
+    every prompt of the body), or a list of one per prompt. A link names token spans of one
+    prompt, so it comes as one envelope; a list may hold compiles (one per prompt) or no picrag
+    action at all. Every envelope is checked: the engine checks each prompt's again."""
+    if not isinstance(kv_hints, list):
+        return parse_link_request(kv_hints)
+    links = [parse_link_request(hints) if hints else None for hints in kv_hints]
+    if any(link is not None and not link.compile for link in links):
+        raise LinkHintError("a picrag.link hint links one prompt: send it as one kv_hints envelope with a "
+                            "flat input_ids, not in a list")
+    compiles = sum(link is not None for link in links)
+    if compiles and compiles != len(links):
+        raise LinkHintError("a batch of picrag.compile requests carries a picrag.compile envelope for every prompt")
+    return links[0] if compiles else None
 
 
 async def _linked(request: Request, payload: dict[str, Any], link: LinkRequest, state: Frontend) -> Response:

@@ -22,6 +22,7 @@ import psutil
 
 from rag_server.launch.ports import free_port
 from rag_server.launch.process_group import died_during_start, start_in_own_group, stop_process_group
+from sglang_patches.attention_backends import FLASHINFER_BACKEND, NATIVE_BACKEND
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +51,8 @@ def runtime_env(base: dict[str, str] | None = None, threads: int | None = None) 
     return env
 
 
-CPU_ATTENTION_BACKEND = "picrag_native"
-CUDA_ATTENTION_BACKEND = "picrag_flashinfer"
+CPU_ATTENTION_BACKEND = NATIVE_BACKEND
+CUDA_ATTENTION_BACKEND = FLASHINFER_BACKEND
 NO_PLUGIN = "-"
 
 

@@ -58,8 +58,11 @@ class RuntimeDelta:
 
 
 def chunk_misses(meta_info: Optional[dict[str, Any]]) -> int:
+    """Chunks the engine did not find in its store: misses a new compile can mend. Chunks cut by
+    the request's own shape (`picrag_chunks_cut`: logprob_start_len inside a chunk, a chunk at
+    the prompt's end) would be cut again, so they are not counted."""
     details = (meta_info or {}).get("cached_tokens_details") or {}
-    return int(details.get("picrag_chunk_misses", 0) or 0)
+    return int(details.get("picrag_chunk_misses", 0) or 0) - int(details.get("picrag_chunks_cut", 0) or 0)
 
 
 def refused(meta_info: Optional[dict[str, Any]]) -> bool:

@@ -12,6 +12,7 @@ and training starts from the stale cache rather than from noise.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -158,6 +159,7 @@ class KVRepairer:
         self.network = network.eval()
         self.stats = stats
         self.fingerprint = fingerprint
+        self.checkpoint_digest = _digest(network, stats)
 
     @property
     def config(self) -> RepairConfig:
@@ -184,3 +186,14 @@ class KVRepairer:
         with in_precision(device, serving_precision(device)):
             return self.network(stale_k.to(device, torch.float32), stale_v.to(device, torch.float32),
                                 token_ids.to(device), chunk_ids.to(device), scales=self.stats)
+
+
+def _digest(network: RepairNetwork, stats: KVStats) -> str:
+    """SHA-256 of what the repairer computes with (its weights and statistics): repaired KV is
+    filed under it (sglang_patches.tree_keys), so two checkpoints never share repaired KV."""
+    digest = hashlib.sha256()
+    tensors = {**network.state_dict(), **stats.tensors()}
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()

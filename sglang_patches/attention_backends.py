@@ -1,0 +1,26 @@
+"""picrag's attention backends by name, and which link policies need them.
+
+Families that compute tokens inside the prompt (their `position_masked` flag in
+sglang_patches.policies: LegoLink with k > 0, CacheBlend) need attention masked by true
+position. picrag's backends do that; on any other backend such a request would attend to later
+tokens, so the engine refuses it (sglang_patches.request_guard) and the frontend reports the
+policy as unavailable (rag_server/linking/policy_availability.py), both with this reason.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from sglang_patches.policies import PolicyFamily
+
+NATIVE_BACKEND = "picrag_native"  # CPU: sglang_patches.attention
+FLASHINFER_BACKEND = "picrag_flashinfer"  # CUDA: sglang_patches.flashinfer_attention
+POSITION_MASKED_BACKENDS = (NATIVE_BACKEND, FLASHINFER_BACKEND)
+
+
+def backend_refusal(family: PolicyFamily, attention_backend: Optional[str]) -> Optional[str]:
+    """Why `family` cannot run on `attention_backend`; None if it can."""
+    if family.position_masked and attention_backend not in POSITION_MASKED_BACKENDS:
+        return (f"it needs attention masked by true position, which the {attention_backend!r} attention "
+                f"backend does not do (picrag's backends do: {', '.join(POSITION_MASKED_BACKENDS)})")
+    return None

@@ -1,0 +1,32 @@
+"""What picrag attaches to a ForwardBatch: one object under one attribute.
+
+Built from the batch's link plans when SGLang makes the batch (sglang_patches.batch_annotations)
+and carried across the eager runner's copy of it; read by the attention backends
+(sglang_patches.position_masks) and CacheBlend's layer hook (sglang_patches.cacheblend).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+ATTR = "picrag_forward"
+
+
+@dataclass
+class ForwardAnnotations:
+    # Batch index -> the true position of every row entry of a prompt sent in LegoLink's order
+    # (sglang_patches.positions).
+    true_positions: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Batch index -> the positions of a request's queries once CacheBlend kept only some rows.
+    query_positions: dict[int, torch.Tensor] = field(default_factory=dict)
+    blend: Any = None  # sglang_patches.cacheblend.BlendState of the batch's cacheblend requests
+
+    def __bool__(self) -> bool:
+        return bool(self.true_positions or self.query_positions or self.blend is not None)
+
+
+def annotations_of(forward_batch) -> Optional[ForwardAnnotations]:
+    return getattr(forward_batch, ATTR, None)

@@ -1,0 +1,162 @@
+"""One typed plan per linked request, built once when the engine admits it.
+
+Everything the engine does with a linked request reads its plan: the tree namespace and key
+(sglang_patches.tree_keys), the chunks grafted and repaired (sglang_patches.chunk_cache), the
+stored chunks leased on arrival, the true positions of a prompt sent in LegoLink's order
+(sglang_patches.positions), CacheBlend's sources (sglang_patches.cacheblend), the first-token
+report and the accounting in meta_info. It hangs on SGLang's request object under one
+attribute (`PLAN_ATTR`); `plan_of` reads it. Building it is pure: the same request always gets
+the same plan, whatever the cache holds.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from sglang_patches.chunk_key import chunk_key
+from sglang_patches.legolink_layout import legolink_layout
+from sglang_patches.link_hints import REORDERED_LAYOUT, LinkRequest
+from sglang_patches.policies import PolicyFamily
+from sglang_patches.tree_keys import namespace_of, prompt_key
+
+PLAN_ATTR = "picrag_plan"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A span of the prompt as sent whose KV can come from the chunk store."""
+
+    start: int
+    end: int
+    chunk_tokens: tuple[int, ...]  # the stored chunk it comes from (as stored: behind its sinks)
+    chunk_offset: int  # where in that chunk the span begins
+    shift: int  # true position of the stored chunk's first token
+    is_chunk: bool  # False for the head (a true prefix, never counted)
+
+    @property
+    def recomputed_whole(self) -> bool:
+        """A chunk whose every token a reordered layout recomputes (k covers it): nothing to
+        graft, no hit or miss, but context for the repair network."""
+        return self.is_chunk and self.start == self.end
+
+    @property
+    def digest(self) -> str:
+        """The stored chunk's whole-content key (sglang_patches.chunk_key)."""
+        return chunk_key(self.chunk_tokens)
+
+
+@dataclass
+class LinkStats:
+    """Per-request accounting, reported in meta_info and summed into the counters."""
+
+    policy: str
+    chunk_hits: int = 0
+    # Chunks not served from the store: missing there, or cut (below).
+    chunk_misses: int = 0
+    # Of the misses, chunks the request's own shape kept from being grafted (logprob_start_len,
+    # the last prompt token that is always computed, tokens between chunks): linking it again
+    # would cut them again.
+    chunks_cut: int = 0
+    reused_tokens: int = 0
+    computed_tokens: int = 0
+    grafted_tokens: int = 0
+    # sglang_patches.first_token_report: the first answer token's log-probabilities, until sent.
+    first_token_logprobs: Optional[str] = None
+
+    def as_meta(self) -> dict[str, int | str]:
+        return {
+            "picrag_policy": self.policy,
+            "picrag_chunk_hits": self.chunk_hits,
+            "picrag_chunk_misses": self.chunk_misses,
+            "picrag_chunks_cut": self.chunks_cut,
+            "picrag_reused_tokens": self.reused_tokens,
+            "picrag_computed_tokens": self.computed_tokens,
+        }
+
+
+@dataclass
+class LinkPlan:
+    link: LinkRequest
+    prompt: tuple[int, ...]  # as sent
+    segments: tuple[Segment, ...]  # head and chunks that can be grafted, in the order sent
+    # The stored chunks the request reads (as stored), for its lease: grafted ones, or a blend's.
+    stored_chunks: tuple[tuple[int, ...], ...]
+    namespace: Optional[str]  # the tree namespace of a chunk-reusing family's prompts
+    tree_key: Optional[array]  # the prompt's tree key; None: its plain tokens
+    order: Optional[list[int]]  # a reordered prompt: sent index -> true position
+    repairs: bool  # grafted chunk KV goes through the repair network
+    stats: LinkStats
+    blend: Any = None  # sglang_patches.cacheblend.BlendPlan, set when the request is matched
+    # Ends the request's lease on its stored chunks (set by the chunk cache while one is held).
+    end_lease: Optional[Callable[[], None]] = field(default=None, repr=False)
+
+    @property
+    def family(self) -> PolicyFamily:
+        return self.link.family
+
+    def release_lease(self) -> None:
+        end, self.end_lease = self.end_lease, None
+        if end is not None:
+            end()
+
+
+def plan_of(req) -> Optional[LinkPlan]:
+    """The plan of an admitted linked request; None for a vanilla one (or one not yet admitted)."""
+    return getattr(req, PLAN_ATTR, None)
+
+
+def _segments(prompt: list[int], link: LinkRequest) -> list[Segment]:
+    if not (link.family.reuses_chunks and link.chunks):
+        return []
+    head_end = link.chunks[0][0]
+    if link.layout == REORDERED_LAYOUT:
+        layout = legolink_layout(len(prompt), list(link.chunks), link.k)
+        original = layout.restore(prompt)
+        # An empty rest (k covers the whole chunk) stays as a segment: see recomputed_whole.
+        spans = [
+            (rest_start, rest_end, tuple(original[s:e]), min(link.k, e - s), s)
+            for (s, e), (rest_start, rest_end) in zip(link.chunks, layout.rests)
+        ]
+    elif link.family.blends_chunks:
+        # Only the head is grafted: the chunks are extend tokens, their cached KV is placed in
+        # the forward (sglang_patches.cacheblend).
+        original, spans = prompt, []
+    else:
+        original = prompt
+        # legolink0 chunks are stored behind sink tokens: skip them, shift by their count.
+        sinks = link.family.sink_tokens
+        spans = [(s, e, tuple(link.stored_chunk(prompt[s:e])), sinks, s - sinks) for s, e in link.chunks]
+    # The head (system prompt) is a true prefix: compiled at position 0 it is exact KV, so it is
+    # grafted from the chunk store unshifted, but it is not a chunk (never counted, never
+    # recomputed by a link step).
+    head = [Segment(0, head_end, tuple(original[:head_end]), 0, 0, False)] if head_end > 0 else []
+    return head + [Segment(*span, is_chunk=True) for span in spans]
+
+
+def build_plan(prompt: list[int], link: LinkRequest, repair_digest: Optional[str]) -> LinkPlan:
+    """The plan of an admitted link over `prompt` (as sent). `repair_digest`: the engine's repair
+    checkpoint, None when it has none (then a repairing family is served as its unrepaired
+    counterpart before this is called)."""
+    family = link.family
+    stats = LinkStats(policy="compile" if link.compile else link.policy)
+    if link.compile or not family.reuses_chunks:
+        return LinkPlan(link, tuple(prompt), (), (), None, None, None, False, stats)
+    segments = tuple(_segments(prompt, link))
+    reordered = link.layout == REORDERED_LAYOUT
+    namespace = namespace_of(
+        family.name, sink_token=link.sink_token if family.sink_tokens else None,
+        k=link.k if reordered else None, chunks=link.chunks if reordered else (),
+        repair_digest=repair_digest if family.repairs else None,
+    )
+    if family.blends_chunks:
+        stored = tuple(tuple(prompt[s:e]) for s, e in link.chunks)
+    else:
+        stored = tuple(seg.chunk_tokens for seg in segments if seg.is_chunk and not seg.recomputed_whole)
+    return LinkPlan(
+        link, tuple(prompt), segments, stored, namespace,
+        tree_key=prompt_key(prompt, segments, whole_chunk=family.repairs) if link.chunks else None,
+        order=legolink_layout(len(prompt), list(link.chunks), link.k).order if reordered else None,
+        repairs=family.repairs, stats=stats,
+    )

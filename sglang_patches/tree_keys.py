@@ -1,0 +1,80 @@
+"""The radix-tree key of a linked prompt, built from everything its cached slots' KV depends on.
+
+The rule (cache transparency): two requests share a cached slot only if their policy computes
+the same value for that slot in both. A slot's value depends on
+
+1. the tokens before it and how their KV was made: the tree path, so every earlier key entry;
+2. its own token and position: its key entry and its depth in the path (a prompt sent in
+   LegoLink's order runs at the positions its spans and k give: both are in the namespace);
+3. how it was made: computed in context, or grafted from a stored chunk. Every grafted token's
+   entry carries GRAFTED; the first grafted token of each chunk is a digest (`segment_start`),
+   so where one chunk ends and the next begins is part of the key, and the same tokens split
+   into other chunks are other KV;
+4. for a grafted token, the stored chunk's tokens that the chunk's KV saw and that are not on
+   the path before it. The first grafted token's digest covers them:
+   * causal families in the prompt's order (naive, legolink0): none beyond the path (legolink0's
+     sink tokens, the model's BOS, are in the namespace);
+   * families sent in LegoLink's order: the chunk's first k tokens, which sit after the rests;
+   * families that repair: the whole chunk (the repair network attends both ways inside a
+     chunk) and the checkpoint (its digest is in the namespace);
+5. the policy family and its parameter: the namespace (`namespace_of`).
+
+Chunk tokens that were not grafted (a chunk missing from the store, a graft cut short by
+`logprob_start_len` or by the last prompt token that SGLang always computes) are computed in
+context: such a request is not inserted (sglang_patches.chunk_cache), so the tree never files
+in-context KV under a grafted key.
+
+Key entries stay in int64 (SGLang's `array("q")` keys): token ids are far below GRAFTED, and a
+segment start is a 62-bit truncated SHA-256 above every marked token id, so it never equals one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from sglang_patches.link_plan import Segment
+
+NAMESPACE_PREFIX = "picrag:"
+GRAFTED = 1 << 40
+SEGMENT_START = 1 << 62
+
+
+def segment_start(token: int, depends_on: Sequence[int]) -> int:
+    """The key entry of a chunk's first grafted token: its token and the stored chunk's tokens
+    its KV depends on beyond the path."""
+    digest = hashlib.sha256(array("q", [token, len(depends_on), *depends_on]).tobytes()).digest()
+    return SEGMENT_START | (int.from_bytes(digest[:8], "little") & (SEGMENT_START - 1))
+
+
+def prompt_key(prompt: Sequence[int], segments: Sequence[Segment], whole_chunk: bool) -> array:
+    """The tree key of a linked prompt as sent. `whole_chunk`: the family's grafted KV depends
+    on the whole chunk (it repairs), not only on the chunk's tokens before each one."""
+    key = array("q", prompt)
+    for segment in segments:
+        if not segment.is_chunk or segment.start == segment.end:
+            continue
+        for index in range(segment.start, segment.end):
+            key[index] |= GRAFTED
+        depends_on = segment.chunk_tokens if whole_chunk else segment.chunk_tokens[: segment.chunk_offset]
+        key[segment.start] = segment_start(prompt[segment.start], depends_on)
+    return key
+
+
+def namespace_of(family_name: str, *, sink_token: Optional[int] = None, k: Optional[int] = None,
+                 chunks: Sequence[tuple[int, int]] = (), repair_digest: Optional[str] = None) -> str:
+    """The tree namespace of a family's linked prompts: no other family's request matches them.
+    `k` and `chunks` for a prompt sent in LegoLink's order (its positions depend on them),
+    `sink_token` for families that compile behind sinks, `repair_digest` for families that repair."""
+    parts = [f"{NAMESPACE_PREFIX}{family_name}"]
+    if sink_token is not None:
+        parts.append(f"sink{sink_token}")
+    if k is not None:
+        spans = ",".join(f"{start}-{end}" for start, end in chunks)
+        parts += [f"k{k}", hashlib.sha256(spans.encode()).hexdigest()[:16]]
+    if repair_digest is not None:
+        parts.append(f"repair{repair_digest[:16]}")
+    return ":".join(parts)
