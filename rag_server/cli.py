@@ -8,6 +8,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 from pathlib import Path
 
 # Before anything imports torch: OpenMP spin-waiting makes torch several times slower on
@@ -87,7 +88,7 @@ def _serve(args: argparse.Namespace) -> int:
     from rag_server.api.upstream import UpstreamTimeouts
     from sglang_patches.model_store import resolve_model
     from rag_server.launch.replicas import EngineGroup, engines_for, run_engines
-    from rag_server.launch.runtime import RuntimeConfig
+    from rag_server.launch.runtime import RuntimeConfig, SGLangRuntime
 
     from sglang_patches.repair.checkpoint import RepairCheckpointError
     from rag_server.linking.policy_availability import default_policy, unavailable_policies
@@ -176,20 +177,27 @@ def _serve(args: argparse.Namespace) -> int:
                          health_interval_s=args.health_interval,
                          quality=QualitySettings(args.quality_target, args.calibration, repair_checkpoint,
                                                  ShadowSettings(rate=args.shadow_rate)),
-                         reuse_gate=gate)
+                         reuse_gate=gate, pass_unlisted_fields=args.pass_unlisted_fields,
+                         client_idle_timeout_s=args.client_idle_timeout,
+                         # The runtime it started itself; the gateway's replicas are watched per process.
+                         watchdog_timeout_s=(args.watchdog_timeout or None) if isinstance(runtime, SGLangRuntime)
+                         else None,
+                         # Off the event loop: stopping the runtime waits for its processes.
+                         on_stall=lambda reason: threading.Thread(target=give_up, args=(reason,)).start())
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                                timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
 
-        def runtime_died(reason: str) -> None:
+        def give_up(reason: str) -> None:
+            """The runtime died, or its scheduler stalled: for a supervisor to restart picrag serve."""
             died.append(reason)
-            logger.error("SGLang runtime died (%s): ending its in-flight requests with an error and exiting "
+            logger.error("SGLang runtime %s: ending its in-flight requests with an error and exiting "
                          "with status %d for a supervisor to restart picrag serve", reason, RUNTIME_DIED_EXIT)
             app.state.health.mark_dead(reason)
             # What is left of the runtime goes, so that requests waiting on it fail now.
             runtime.stop(grace_s=2.0)
             server.should_exit = True
 
-        runtime.watch(runtime_died)
+        runtime.watch(lambda reason: give_up(f"died ({reason})"))
         server.run()
     finally:
         runtime.stop()
@@ -244,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     from rag_server.api.admission import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_QUEUE
     from rag_server.api.auth import ADMIN_API_KEY_ENV, API_KEY_ENV
     from rag_server.api.body_limit import DEFAULT_MAX_BODY_BYTES
+    from rag_server.api.client_timeouts import DEFAULT_CLIENT_IDLE_TIMEOUT_S
+    from rag_server.api.progress_watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
     from rag_server.api.rag_api import MAX_BODY_BYTES as MAX_RAG_BODY_BYTES
     from rag_server.api.health import DEFAULT_INTERVAL_S
     from rag_server.api import upstream
@@ -356,6 +366,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--health-interval", type=_positive_float, default=DEFAULT_INTERVAL_S, metavar="S",
                        help=f"seconds between the probes of the runtime that /health reports "
                        f"(default {DEFAULT_INTERVAL_S:g})")
+    serve.add_argument("--watchdog-timeout", type=_non_negative_float, default=DEFAULT_WATCHDOG_TIMEOUT_S,
+                       metavar="S", help="a scheduler that has work and makes no progress for S seconds (one "
+                       "forward, or one step's stop checks, taking that long) turns /health 503, and picrag serve "
+                       f"stops its runtime and exits with status {RUNTIME_DIED_EXIT} for its supervisor (default "
+                       f"{DEFAULT_WATCHDOG_TIMEOUT_S:g}: above a long prefill on a slow CPU; 0: off)")
+    serve.add_argument("--client-idle-timeout", type=_positive_float, default=DEFAULT_CLIENT_IDLE_TIMEOUT_S,
+                       metavar="S", help="seconds a client may stall sending its request body (then 408) or "
+                       "reading its answer (then its connection is closed); either way its admission slot is "
+                       f"freed (default {DEFAULT_CLIENT_IDLE_TIMEOUT_S:g})")
+    serve.add_argument("--pass-unlisted-fields", action="store_true",
+                       help="forward request fields the typed allowlist does not list to the runtime, for "
+                       "trusted clients (default: 400 naming the field; listed fields keep their bounds either "
+                       "way, and the engine holds its own; docs/security.md)")
     serve.add_argument("--quality-target", type=_non_negative_float, default=DEFAULT_QUALITY_TARGET, metavar="KL",
                        help="policy `auto` serves each request with the cheapest policy whose expected "
                        "first-token KL to full, for a prompt of its size, is at most KL (full when none is; "
@@ -365,7 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "shipped for the model in rag_server/calibration; `picrag bench quality "
                        "--write-calibration` writes one)")
     serve.add_argument("--shadow-rate", type=_fraction, default=DEFAULT_SHADOW_RATE, metavar="R",
-                       help="fraction of requests served by a chunk-reusing policy that are also run as full "
+                       help="fraction of RAG requests (/rag/query, the chat extension; never a client's own "
+                       "/generate links) served by a chunk-reusing policy that are also run as full "
                        "for one token in the background, to measure first-token KL and agreement "
                        f"(GET /picrag/quality, /picrag/metrics; default {DEFAULT_SHADOW_RATE:g}; 0: off)")
     serve.add_argument("--on-selfcheck-failure", choices=FAILURE_ACTIONS, default=DEFAULT_FAILURE_ACTION,

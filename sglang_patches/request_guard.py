@@ -35,6 +35,7 @@ from typing import Any, Optional
 
 from sglang_patches.attention_backends import backend_refusal
 from sglang_patches.link_hints import REORDERED_LAYOUT, LinkHintError, LinkRequest, parse_link_request
+from sglang_patches.sampling_guard import check_request as check_sampling
 from sglang_patches.tree_keys import NAMESPACE_PREFIX
 
 HOOK_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
@@ -166,6 +167,7 @@ def check_request(manager, obj, input_ids, *args, **kwargs) -> None:
         engine = EngineSettings(None if tokenizer is None else tokenizer.bos_token_id,
                                 manager.server_args.attention_backend)
         admitted_link(kv_hints, shape_of_input(obj, input_ids or []), engine)
+    check_sampling(obj, input_ids)
 
 
 def register() -> None:

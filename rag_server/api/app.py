@@ -9,7 +9,7 @@ markers and the DSL's `/concate_and_append_request` (rag_server/api/native_route
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -17,11 +17,14 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 
-from rag_server.api import health, native_routes, openai_chat, page, proxy, quality_routes, rag_api
+from rag_server.api import health, native_routes, openai_chat, page, proxy, quality_routes, rag_api, runtime_metrics
 from rag_server.api.admission import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_QUEUE, Admission
 from rag_server.api.auth import AccessGuard
 from rag_server.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from rag_server.api.client_timeouts import DEFAULT_CLIENT_IDLE_TIMEOUT_S, ClientTimeouts
 from rag_server.api.health import DEFAULT_INTERVAL_S, HealthMonitor
+from rag_server.api.progress_watchdog import ProgressWatchdog
+from rag_server.api.runtime_metrics import MetricsCache
 from rag_server.api.request_stats import RequestStats
 from rag_server.api.state import Frontend, FrontendSettings
 from rag_server.api.upstream import UpstreamTimeouts
@@ -49,6 +52,10 @@ def create_app(
     health_interval_s: float = DEFAULT_INTERVAL_S,
     quality: QualitySettings = QualitySettings(),
     reuse_gate: ReuseGate = ReuseGate(),
+    pass_unlisted_fields: bool = False,
+    client_idle_timeout_s: float = DEFAULT_CLIENT_IDLE_TIMEOUT_S,
+    watchdog_timeout_s: float | None = None,
+    on_stall: Callable[[str], None] | None = None,
 ) -> FastAPI:
     """The frontend for a runtime that is already up. `model_path` (default: the runtime's)
     gives the tokenizer and context window; `index_dir` the passage index to retrieve from.
@@ -62,7 +69,12 @@ def create_app(
     why this server refuses it (cacherepair without a checkpoint for the model). `quality`: the
     `auto` policy's target and table, and shadow sampling (rag_server/service/quality.py).
     `reuse_gate`: chunk reuse after the start-up self-check (rag_server/linking/reuse_gate.py);
-    the families it refuses join the unavailable ones, and a refused default becomes prefix."""
+    the families it refuses join the unavailable ones, and a refused default becomes prefix.
+    `pass_unlisted_fields`: forward body fields the allowlist does not list
+    (rag_server/api/forwarded_bodies.py). `client_idle_timeout_s`: how long a client may stall
+    its body or its answer (rag_server/api/client_timeouts.py). `watchdog_timeout_s`: a scheduler
+    with work and no progress for this long makes /health 503 and calls `on_stall`
+    (rag_server/api/progress_watchdog.py; None: no watchdog)."""
     unavailable = {**(unavailable_policies or {}), **reuse_gate.unavailable()}
     try:
         default = NamedPolicy.parse(reuse_gate.default_policy(default_policy))
@@ -71,20 +83,25 @@ def create_app(
     if default.family.name in unavailable:
         raise ValueError(f"default policy {default_policy!r} is unavailable: {unavailable[default.family.name]}")
     settings = FrontendSettings(runtime_url, default, model_path, index_dir, unavailable, timeouts, quality,
-                                reuse_gate=reuse_gate)
+                                reuse_gate=reuse_gate, pass_unlisted_fields=pass_unlisted_fields)
 
     app = FastAPI(title="picrag", version="0.1.0", lifespan=lambda app: _running(app, settings))
-    app.state.health = HealthMonitor(runtime_url, health_interval_s, timeouts.connect_s)
+    watchdog = None if watchdog_timeout_s is None else ProgressWatchdog(
+        runtime_url, watchdog_timeout_s, health_interval_s, timeouts.connect_s, on_stall)
+    app.state.health = HealthMonitor(runtime_url, health_interval_s, timeouts.connect_s, watchdog=watchdog)
+    app.state.metrics = MetricsCache(runtime_url, timeouts.connect_s)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.state.request_stats = RequestStats()
-    for routes in (health, page, rag_api, openai_chat, quality_routes, native_routes, proxy):
+    for routes in (health, page, rag_api, openai_chat, quality_routes, native_routes, runtime_metrics, proxy):
         app.include_router(routes.router)
 
     # Added innermost first. CORS outermost, so that preflights (which carry no key) are
     # answered and 401/503 answers carry CORS headers a browser can read; the key check before
     # admission, so that requests without the key never take a slot; the body limit inside
-    # admission, so that bodies read at once are at most one per slot.
+    # admission, so that bodies read at once are at most one per slot; the client timeouts
+    # between them, so that a slow client gives its slot back.
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, prefix_limits={"/rag/": rag_api.MAX_BODY_BYTES})
+    app.add_middleware(ClientTimeouts, idle_timeout_s=client_idle_timeout_s)
     app.add_middleware(Admission, max_inflight=max_inflight, max_queue=max_queue)
     app.add_middleware(AccessGuard, api_key=api_key or None, admin_api_key=admin_api_key or None)
     if cors_origins:
@@ -101,4 +118,5 @@ async def _running(app: FastAPI, settings: FrontendSettings) -> AsyncIterator[No
         yield
     finally:
         await app.state.health.aclose()
+        await app.state.metrics.aclose()
         await app.state.frontend.aclose()

@@ -6,7 +6,8 @@ connection), and `/health` answers from the last probe: 200 when it succeeded an
 runtime nothing and cannot take the connections that real requests use. `picrag serve` starts
 SGLang with its `/health` reporting the server's state without generating a token, and watches
 the runtime's processes itself (rag_server/launch/runtime.py): a dead runtime is reported at
-once (`mark_dead`), without waiting for the next probe.
+once (`mark_dead`), without waiting for the next probe. A runtime whose scheduler stalled is
+reported by its ProgressWatchdog (rag_server/api/progress_watchdog.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import httpx
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from rag_server.api.progress_watchdog import ProgressWatchdog
 from rag_server.api.state import frontend
 
 logger = logging.getLogger(__name__)
@@ -38,7 +40,7 @@ class Probe:
 
 class HealthMonitor:
     def __init__(self, runtime_url: str, interval_s: float = DEFAULT_INTERVAL_S, connect_timeout_s: float = 10.0,
-                 probe_timeout_s: float = PROBE_TIMEOUT_S):
+                 probe_timeout_s: float = PROBE_TIMEOUT_S, watchdog: ProgressWatchdog | None = None):
         if interval_s <= 0:
             raise ValueError(f"health probe interval must be positive, not {interval_s}")
         self.interval_s = interval_s
@@ -49,6 +51,7 @@ class HealthMonitor:
         self._last: Probe | None = None
         self._dead: str | None = None
         self._task: asyncio.Task | None = None
+        self._watchdog = watchdog
 
     async def start(self) -> None:
         """One probe now (the frontend starts knowing its runtime's state), then every interval."""
@@ -60,6 +63,8 @@ class HealthMonitor:
                                          limits=httpx.Limits(max_connections=1, max_keepalive_connections=0))
         await self.probe()
         self._task = asyncio.create_task(self._probe_forever())
+        if self._watchdog is not None:
+            self._watchdog.start()
 
     async def probe(self) -> Probe:
         assert self._client is not None, "start() first"
@@ -87,6 +92,8 @@ class HealthMonitor:
         """The status code and body `/health` answers with."""
         if self._dead is not None:
             return 503, {"status": "runtime dead", "error": self._dead}
+        if self._watchdog is not None and self._watchdog.stalled is not None:
+            return 503, {"status": "scheduler stalled", "error": self._watchdog.stalled}
         last = self._last
         if last is None:
             return 503, {"status": "starting"}
@@ -99,6 +106,8 @@ class HealthMonitor:
         return 200, {"status": "ok", **body}
 
     async def aclose(self) -> None:
+        if self._watchdog is not None:
+            await self._watchdog.aclose()
         if self._task is not None:
             self._task.cancel()
             try:

@@ -1,15 +1,17 @@
 """SGLang's native routes that picrag extends: `/generate`, `/flush_cache` and the DSL's
 `/concate_and_append_request`.
 
-A `/generate` body with a `picrag.link` hint, or a text with chunk markers (which becomes one,
-rag_server/api/chunk_markers.py), is checked here, once: a well-formed link over a flat
-`input_ids` prompt in its original order, a policy this server runs, a prompt the runtime would
+Every body is first parsed by its typed allowlist (rag_server/api/forwarded_bodies.py), and
+counted against --max-inflight by the sequences it asks for. A body with a `picrag.link` hint,
+or a text with chunk markers (which becomes one, rag_server/api/chunk_markers.py), is checked
+here, once: a well-formed link over a flat `input_ids` prompt in its original order, at most
+sampling_guard.MAX_CHUNK_SPANS chunks, a policy this server runs, a prompt the runtime would
 accept (rag_server/api/client_fields.py refuses token ids outside the vocabulary and picrag's
 own cache namespaces in any body, and the link fields only picrag sets). It then takes
 the link pipeline (rag_server/linking/pipeline.py), and the runtime's answer is relayed as SGLang
-wrote it. Other bodies are forwarded untouched; the pieces of a `picrag.compile` request are
-remembered by the compiler once the runtime stored them. A linked answer is offered to shadow
-sampling once relayed in full (rag_server/service/shadow.py).
+wrote it. Other bodies are forwarded as sent; the pieces of a `picrag.compile` request are
+remembered by the compiler once the runtime stored them. A client's link is never offered to
+shadow sampling (rag_server/service/shadow.py), which learns only from picrag's own prompts.
 """
 
 from __future__ import annotations
@@ -23,13 +25,16 @@ from typing import Any, Optional
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from rag_server.api.admission import take_sequences
 from rag_server.api.chunk_markers import link_marked_payload
 from rag_server.api.client_fields import client_link, refused_field
+from rag_server.api.forwarded_bodies import GenerateBody, parse_forwarded
 from rag_server.api.proxy import forward, forwarded_headers, json_object, relay
 from rag_server.api.state import Frontend, frontend
 from rag_server.linking.pipeline import GenerationError
 from rag_server.service.shadow import ShadowSampler
 from sglang_patches.link_hints import LinkHintError, LinkRequest, parse_link_request
+from sglang_patches.sampling_guard import chunk_count_error
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +52,13 @@ async def generate(request: Request) -> Response:
     if payload is None:
         return await forward(request, body)
     state = frontend(request)
-    refused = refused_field(payload, len(state.rag.tokenizer))
+    parsed, refused = parse_forwarded(GenerateBody, payload, state.forward_limits)
+    refused = refused or refused_field(payload, len(state.rag.tokenizer))
     if refused:
         return _error(400, refused, "invalid_request")
+    busy = take_sequences(request, parsed.sequences(), "sampling_params.n")
+    if busy is not None:
+        return busy
     if not payload.get("kv_hints"):
         # Tokenizing a long marked text takes a while: off the event loop.
         marked = await asyncio.to_thread(link_marked_payload, payload, state.rag.layout.encode,
@@ -95,36 +104,36 @@ async def _linked(request: Request, payload: dict[str, Any], link: LinkRequest, 
         state.rag.check_available(link.family)
     except LinkHintError as exc:
         return _error(400, str(exc), "invalid_kv_hints")
+    too_many = chunk_count_error(len(link.chunks))  # each one a compile, before the engine sees the link
+    if too_many:
+        return _error(400, too_many, "invalid_kv_hints")
     too_long = state.rag.limits.refusal(len(input_ids), payload.get("sampling_params"))
     if too_long:
         return _error(400, too_long, "prompt_too_long")
     fields = {k: v for k, v in payload.items() if k not in ("input_ids", "kv_hints")}
+    # Counted as load for shadow sampling, never sampled: rag_server/service/shadow.py.
     shadow = state.rag.quality.shadow
     shadow.request_started()
     try:
         linked = await state.pipeline.generate(input_ids, link, fields, headers=forwarded_headers(request),
                                                params=request.query_params)
     except GenerationError as exc:
-        shadow.request_ended(input_ids, link, answered=False)
+        shadow.request_ended()
         logger.error("linked /generate failed: %s", exc)
         return _error(exc.status, str(exc), "compile_failed")
-    ok = linked.response.status_code == 200
     if linked.rest is None:
-        shadow.request_ended(input_ids, link, answered=ok)
+        shadow.request_ended()
         return relay(linked.response, linked.head)
-    return relay(linked.response, _offered_to_shadow(linked.body(), shadow, input_ids, link, ok))
+    return relay(linked.response, _counted(linked.body(), shadow))
 
 
-async def _offered_to_shadow(body: AsyncIterator[bytes], shadow: ShadowSampler, input_ids: list[int],
-                             link: LinkRequest, ok: bool) -> AsyncIterator[bytes]:
-    """`body` relayed; once the client has it all, the request is offered to shadow sampling."""
-    answered = False
+async def _counted(body: AsyncIterator[bytes], shadow: ShadowSampler) -> AsyncIterator[bytes]:
+    """`body` relayed; the request counts as load for shadow sampling until its last byte."""
     try:
         async for chunk in body:
             yield chunk
-        answered = ok
     finally:
-        shadow.request_ended(input_ids, link, answered)
+        shadow.request_ended()
 
 
 async def _compile(request: Request, body: bytes, payload: dict[str, Any], state: Frontend) -> Response:

@@ -1,6 +1,7 @@
 """RAG through OpenAI's chat API: `POST /v1/chat/completions` with a `picrag` extension field.
 
-A body without `picrag` goes to SGLang's own chat endpoint untouched. With it, the request is
+A body without `picrag` goes to SGLang's own chat endpoint as sent, once its typed allowlist
+(rag_server/api/forwarded_bodies.py; `/v1/completions` too) passed. With it, the request is
 answered like `/rag/query` (same prompt layout, same link path):
 
     {"model": "...", "messages": [...], "max_tokens": 32, "temperature": 0, "stream": false,
@@ -24,7 +25,9 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rag_server.api.admission import take_sequences
 from rag_server.api.client_fields import refused_field
+from rag_server.api.forwarded_bodies import ChatBody, CompletionBody, OpenAISampling, Stop, parse_forwarded
 from rag_server.api.message_limits import MAX_MESSAGES, message_limit_error
 from rag_server.api.proxy import forward, json_object
 from rag_server.api.rag_api import (MAX_DOCUMENTS, MAX_NEW_TOKENS, MAX_QUESTION_CHARS, MAX_TOP_K, Document,
@@ -75,7 +78,7 @@ class RagChatRequest(BaseModel):
     max_completion_tokens: int | None = Field(None, gt=0, le=MAX_NEW_TOKENS)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     n: int = Field(1, ge=1, le=1, description="one choice only")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -147,8 +150,7 @@ async def chat_completions(request: Request) -> Response:
     if too_many:
         return openai_error(400, too_many)
     if "picrag" not in payload:
-        refused = refused_field(payload, len(frontend(request).rag.tokenizer))
-        return openai_error(400, refused) if refused else await forward(request, body)
+        return await _forwarded(request, body, ChatBody, payload, payload)
     state = frontend(request)
     return await rag_chat_completion(state.rag, payload, state.model_name)
 
@@ -162,9 +164,23 @@ async def completions(request: Request) -> Response:
         return await forward(request, body)
     prompt = payload.get("prompt")
     token_prompt = prompt if isinstance(prompt, list) and all(not isinstance(p, str) for p in prompt) else None
-    refused = refused_field({"extra_key": payload.get("extra_key"), "input_ids": token_prompt},
-                            len(frontend(request).rag.tokenizer))
-    return openai_error(400, refused.replace("input_ids", "prompt", 1)) if refused else await forward(request, body)
+    return await _forwarded(request, body, CompletionBody, payload,
+                            {"extra_key": payload.get("extra_key"), "input_ids": token_prompt}, "prompt")
+
+
+async def _forwarded(request: Request, body: bytes, body_type: type[OpenAISampling], payload: dict[str, Any],
+                     sglang_fields: dict[str, Any], prompt_field: str = "input_ids") -> Response:
+    """`body` forwarded as sent once its allowlist model and the client-field checks (on
+    `sglang_fields`, its prompt spelled `prompt_field`) passed, its sequences counted."""
+    state = frontend(request)
+    parsed, refused = parse_forwarded(body_type, payload, state.forward_limits)
+    if not refused:
+        refused = refused_field(sglang_fields, len(state.rag.tokenizer))
+        refused = refused and refused.replace("input_ids", prompt_field, 1)
+    if refused:
+        return openai_error(400, refused)
+    busy = take_sequences(request, parsed.sequences(), "n")
+    return busy or await forward(request, body)
 
 
 async def rag_chat_completion(service: RagService, payload: dict[str, Any], model_name: str) -> Response:

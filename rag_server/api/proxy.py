@@ -14,18 +14,19 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from rag_server.api.state import frontend
 from rag_server.linking.pipeline import is_stream
+from rag_server.linking.sse import Splitter
 
 logger = logging.getLogger(__name__)
 
 # SGLang routes the frontend forwards as they are (/generate, /flush_cache, /v1/completions and
-# /v1/chat/completions are forwarded by their own handlers, which add picrag's part).
+# /v1/chat/completions are forwarded by their own handlers, which add picrag's part; /metrics is
+# answered from a cache, rag_server/api/runtime_metrics.py).
 PASSTHROUGH_ROUTES: dict[str, list[str]] = {
     "/get_model_info": ["GET"],
     "/model_info": ["GET"],
     "/get_server_info": ["GET"],
     "/server_info": ["GET"],
     "/abort_request": ["POST"],
-    "/metrics": ["GET"],
     "/v1/loads": ["GET"],
     "/v1/models": ["GET"],
 }
@@ -69,16 +70,16 @@ def error_event(message: str, status: int) -> bytes:
 
 async def _ended_by_error_event(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """A server-sent-event stream relayed event by event (byte for byte); if the runtime's
-    side fails (it died, a timeout ran out), the event it was in the middle of is dropped and
-    an error event ends the stream, so the client reads a failure instead of a cut connection."""
-    pending = b""
+    side fails (it died, a timeout ran out, an event grew over sse.MAX_EVENT_BYTES), the event it
+    was in the middle of is dropped and an error event ends the stream, so the client reads a
+    failure instead of a cut connection."""
+    events = Splitter(EVENT_END)
     try:
         async for chunk in chunks:
-            complete, separator, pending = (pending + chunk).rpartition(EVENT_END)
-            if separator:
-                yield complete + separator
-        if pending:
-            yield pending
+            if complete := events.feed(chunk):
+                yield complete
+        if rest := events.rest():
+            yield rest
     except httpx.HTTPError as exc:
         logger.error("runtime stream failed: %r", exc)
         yield error_event(f"runtime failed mid-stream: {exc!r}", failure_status(exc))

@@ -14,6 +14,7 @@ import httpx
 from fastapi import Request
 
 from rag_server.api.chunk_markers import leading_special_tokens
+from rag_server.api.forwarded_bodies import ForwardLimits
 from rag_server.api.upstream import UpstreamTimeouts, runtime_client
 from rag_server.linking.chunk_compiler import ChunkCompiler
 from rag_server.linking.pipeline import LinkPipeline
@@ -33,6 +34,7 @@ class FrontendSettings:
     timeouts: UpstreamTimeouts = UpstreamTimeouts()  # every call to the runtime
     quality: QualitySettings = QualitySettings()  # `auto` and shadow sampling
     reuse_gate: ReuseGate = ReuseGate()  # chunk reuse after the start-up self-check
+    pass_unlisted_fields: bool = False  # forward fields the allowlist does not list (trusted clients)
 
 
 @dataclass
@@ -42,6 +44,7 @@ class Frontend:
     rag: RagService
     model_name: str
     special_prefix: list[int]  # what the tokenizer puts before any text (chunk-marked prompts)
+    forward_limits: ForwardLimits  # what a body forwarded to the runtime is checked against
 
     @classmethod
     async def open(cls, settings: FrontendSettings) -> Frontend:
@@ -67,7 +70,8 @@ class Frontend:
             await client.aclose()
             raise
         return cls(client, pipeline, rag, info.get("served_model_name") or info["model_path"],
-                   leading_special_tokens(tokenizer))
+                   leading_special_tokens(tokenizer),
+                   ForwardLimits(rag.limits.context_length, settings.pass_unlisted_fields))
 
     async def aclose(self) -> None:
         await self.rag.quality.shadow.aclose()

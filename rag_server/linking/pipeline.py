@@ -84,18 +84,18 @@ def response_misses(body: bytes) -> int:
 async def first_event(chunks: AsyncIterator[bytes]) -> tuple[bytes, Optional[dict[str, Any]]]:
     """Read a server-sent-event stream up to its first `data:` event: (the bytes read, that
     event's JSON, or None when the stream ended or the event is not JSON)."""
-    buffered = b""
+    read: list[bytes] = []
+    events = sse.Splitter(b"\n\n")
     async for chunk in chunks:
-        buffered += chunk
-        complete, separator, _ = buffered.rpartition(b"\n\n")
-        for line in complete.decode(errors="replace").split("\n") if separator else ():
+        read.append(chunk)
+        for line in events.feed(chunk).decode(errors="replace").split("\n"):
             data = sse.data_of(line)
             if data is not None:
                 try:
-                    return buffered, json.loads(data)
+                    return b"".join(read), json.loads(data)
                 except ValueError:
-                    return buffered, None
-    return buffered, None
+                    return b"".join(read), None
+    return b"".join(read), None
 
 
 def is_stream(response: httpx.Response) -> bool:

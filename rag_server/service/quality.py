@@ -41,5 +41,5 @@ class QualityControl:
         else:
             table = shipped_table(model_dir, settings.repair_checkpoint) if model_dir else None
         record = QualityRecord()
-        return cls(record, AutoPolicy(settings.target, table, record), ShadowSampler(pipeline, record, settings.shadow),
-                   QualityMetrics(record))
+        shadow = ShadowSampler(pipeline, record, settings.shadow, calibrated=table.cost_order if table else ())
+        return cls(record, AutoPolicy(settings.target, table, record), shadow, QualityMetrics(record))

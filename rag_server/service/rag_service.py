@@ -252,7 +252,10 @@ class RagService:
             answered = True
         finally:
             # Once the answer is complete: the shadow pair runs as requests of its own.
-            shadow.request_ended(prompt.input_ids, link, answered)
+            if answered:
+                shadow.answered(prompt.input_ids, link)
+            else:
+                shadow.request_ended()
 
     async def _answer(self, plan: RagPlan, linked: Linked) -> AsyncIterator[str | RagResult]:
         prompt = plan.prompt

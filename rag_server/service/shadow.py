@@ -1,13 +1,19 @@
 """Shadow sampling: a sampled request served by a chunk-reusing policy is also run as `full`, for
 one token, in the background, to measure the policy's first-token quality on live traffic.
 
-After the user's answer has ended, a fraction `rate` of the requests whose policy reuses chunks
-(`/rag/query`, chat, and linked `/generate`) gets a shadow pair: `full` for one greedy token, then
+After the user's answer has ended, a fraction `rate` of the RAG requests whose policy reuses chunks
+(`/rag/query` and the chat extension: prompts picrag built itself) gets a shadow pair: `full` for one greedy token, then
 the user's own link (same prompt, same policy) for one token, each with its first token's
 log-probabilities over the whole vocabulary (sglang_patches.first_token_report). Their exact
 first-token KL and agreement go to the QualityRecord (rag_server/service/first_token_quality.py).
 Nothing of this touches the user's request: the shadow starts once the answer is complete, runs
 as its own requests, and its failures are only counted.
+
+What `auto` learns from must not be a client's to choose: a client's own `/generate` links count
+as load but are never sampled (their prompt, chunks and layout are the client's: links whose
+KL is 0 by construction would steer `auto`'s calibration), and samples are filed under a bounded
+set of names (`sample_name`): the policies of the calibration table, or else the policy family,
+so that a client naming `legolink:<k>` for every k cannot grow the record or the metric labels.
 
 Cost bound: SGLang 0.5.23 takes a request `priority`, but its scheduler ignores it unless started
 with --enable-priority-scheduling (which also changes how every other request is scheduled), so
@@ -24,7 +30,7 @@ import dataclasses
 import json
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -85,12 +91,20 @@ def policy_name(link: LinkRequest) -> str:
     return family.policy(getattr(link, family.param) if family.param else None).name
 
 
+def sample_name(link: LinkRequest, calibrated: Collection[str]) -> str:
+    """The name a sample of `link` is filed under: its policy where `calibrated` (the calibration
+    table's policies) lists it, else its policy family."""
+    name = policy_name(link)
+    return name if name in calibrated else link.family.name
+
+
 class ShadowSampler:
     def __init__(self, pipeline: LinkPipeline, record: QualityRecord, settings: ShadowSettings = ShadowSettings(),
-                 rng: Optional[random.Random] = None):
+                 rng: Optional[random.Random] = None, calibrated: Collection[str] = ()):
         self.pipeline = pipeline
         self.record = record
         self.settings = settings
+        self.calibrated = frozenset(calibrated)  # policy names samples are filed under (else: the family)
         self._rng = rng or random.Random()
         self._tasks: set[asyncio.Task] = set()
         self.in_flight = 0  # linked requests being answered: shadows wait for a quieter moment
@@ -99,10 +113,14 @@ class ShadowSampler:
         """A linked request (any route) is being answered."""
         self.in_flight += 1
 
-    def request_ended(self, input_ids: Sequence[int], link: LinkRequest, answered: bool) -> bool:
-        """It ended; one `answered` in full is offered for sampling (True when a shadow started)."""
+    def request_ended(self) -> None:
+        """It ended without being offered for sampling (a client's link, or a failed answer)."""
         self.in_flight -= 1
-        return answered and self.offer(input_ids, link, self.in_flight)
+
+    def answered(self, input_ids: Sequence[int], link: LinkRequest) -> bool:
+        """A RAG request ended, answered in full: offered for sampling (True when a shadow started)."""
+        self.request_ended()
+        return self.offer(input_ids, link, self.in_flight)
 
     def offer(self, input_ids: Sequence[int], link: LinkRequest, in_flight: int) -> bool:
         """Maybe start a shadow pair for a request answered with `link`, `in_flight` linked
@@ -112,7 +130,7 @@ class ShadowSampler:
         if len(self._tasks) >= self.settings.max_concurrent or in_flight > self.settings.busy_requests:
             self.record.cost.skipped_capacity += 1
             return False
-        task = asyncio.create_task(self._shadow(list(input_ids), link, policy_name(link)))
+        task = asyncio.create_task(self._shadow(list(input_ids), link, sample_name(link, self.calibrated)))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return True
