@@ -57,7 +57,8 @@ def refusal(body_type, payload, limits=LIMITS):
     (GenerateBody, {"text": "hi", "sampling_params": {"regex": "a" * (sampling_guard.MAX_GRAMMAR_CHARS + 1)}},
      "sampling_params.regex"),
     (ChatBody, {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"enum": ["a" * sampling_guard.MAX_GRAMMAR_CHARS]}}}}, "response_format.json_schema.schema"),
+        "name": "x", "schema": {"enum": ["a" * sampling_guard.MAX_GRAMMAR_CHARS]}}}},
+     "response_format.json_schema.schema"),
     # Values SGLang would take but no client of picrag needs.
     (GenerateBody, {"text": "hi", "sampling_params": {"temperature": float("nan")}}, "sampling_params.temperature"),
     (GenerateBody, {"text": "hi", "sampling_params": {"n": True}}, "sampling_params.n"),

@@ -40,12 +40,17 @@ class Splitter:
         end = self._pending.rfind(self._separator, start)
         complete = b""
         if end >= 0:
+            # Only the first piece this chunk completes began before it (a chunk is far below the cap).
+            self._check(self._pending.find(self._separator, start))
             cut = end + len(self._separator)
             complete = bytes(self._pending[:cut])
             del self._pending[:cut]
-        if len(self._pending) > self._max_bytes:
-            raise EventTooLarge(f"the runtime sent an event over {self._max_bytes} bytes")
+        self._check(len(self._pending))
         return complete
+
+    def _check(self, length: int) -> None:
+        if length > self._max_bytes:
+            raise EventTooLarge(f"the runtime sent an event over {self._max_bytes} bytes")
 
     def rest(self) -> bytes:
         """What came after the last separator."""
