@@ -383,9 +383,10 @@ class ChunkRadixCache(RadixCache):
         """Graft the plan's segments that follow the prompt's path in the tree, and count its
         chunks: hits (on the path or grafted whole), misses (not grafted) and, of the misses,
         those cut by the request's own shape."""
-        values, prefix_node = self._match_prefix_helper(self.root_node, key)
-        matched = sum(len(v) for v in values)
         limit = len(key)  # SGLang caps the match (the last prompt token, logprob_start_len)
+        # SGLang's helper cannot look up an empty key (logprob_start_len 0): nothing matches.
+        values, prefix_node = self._match_prefix_helper(self.root_node, key) if limit else ([], self.root_node)
+        matched = sum(len(v) for v in values)
         stats = plan.stats
         n_chunks = sum(seg.is_chunk and not seg.recomputed_whole for seg in plan.segments)
         grafts: list[_Graft] = []
