@@ -165,6 +165,9 @@ def _serve(args: argparse.Namespace) -> int:
                 logger.warning("requests that name no policy are served as %s, not %s",
                                gate.default_policy(policy), policy)
         logger.info("picrag frontend listening on http://%s:%d (runtime %s)", args.host, args.port, runtime.url)
+        # Only of a runtime it started itself: behind the gateway, replicas are watched per process.
+        watched = isinstance(runtime, SGLangRuntime) and args.watchdog_timeout > 0
+        watchdog_timeout = args.watchdog_timeout if watched else None
         app = create_app(runtime.url, model_path=model_path, index_dir=index_dir,
                          default_policy=policy,
                          unavailable_policies=unavailable,
@@ -178,10 +181,7 @@ def _serve(args: argparse.Namespace) -> int:
                          quality=QualitySettings(args.quality_target, args.calibration, repair_checkpoint,
                                                  ShadowSettings(rate=args.shadow_rate)),
                          reuse_gate=gate, pass_unlisted_fields=args.pass_unlisted_fields,
-                         client_idle_timeout_s=args.client_idle_timeout,
-                         # The runtime it started itself; the gateway's replicas are watched per process.
-                         watchdog_timeout_s=(args.watchdog_timeout or None) if isinstance(runtime, SGLangRuntime)
-                         else None,
+                         client_idle_timeout_s=args.client_idle_timeout, watchdog_timeout_s=watchdog_timeout,
                          # Off the event loop: stopping the runtime waits for its processes.
                          on_stall=lambda reason: threading.Thread(target=give_up, args=(reason,)).start())
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",

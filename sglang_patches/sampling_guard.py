@@ -126,7 +126,7 @@ def request_error(obj: Any, input_ids: Optional[Sequence[int]]) -> Optional[str]
     sampling = getattr(obj, "sampling_params", None)
     errors = (
         logprob_error(getattr(obj, "top_logprobs_num", None), getattr(obj, "token_ids_logprob", None)),
-        logprob_start_error(getattr(obj, "logprob_start_len", None), len(input_ids or ())),
+        None if input_ids is None else logprob_start_error(getattr(obj, "logprob_start_len", None), len(input_ids)),
         sampling_error(sampling) if isinstance(sampling, Mapping) else None,
         chunk_spans_error(getattr(obj, "kv_hints", None)),
     )

@@ -18,6 +18,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from rag_server.api.proxy import _ended_by_error_event
+from rag_server.api.runtime_metrics import CONNECTIONS
 from rag_server.linking import sse
 from rag_server.linking.pipeline import first_event
 from tests.fake_runtime import FakeRuntime, answer, fake_runtime
@@ -97,11 +98,15 @@ class ScrapedRuntime(FakeRuntime):
         super().__init__(model_dir)
         self.metrics_open = asyncio.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.at_once = self.most_at_once = 0  # /metrics requests in flight
 
     async def _metrics(self, request: Request) -> Response:
         await self._count(request)
         self.loop = asyncio.get_running_loop()
+        self.at_once += 1
+        self.most_at_once = max(self.most_at_once, self.at_once)
         await self.metrics_open.wait()
+        self.at_once -= 1
         return Response(b"sglang:num_requests_total 7\n", media_type="text/plain")
 
     def app(self):
@@ -111,8 +116,9 @@ class ScrapedRuntime(FakeRuntime):
 
 
 def test_a_flood_of_metrics_scrapes_takes_no_connection_real_requests_need(default_model_dir):
-    """150 scrapes at once against a /metrics that hangs: the runtime sees one, and a /generate
-    is answered meanwhile (over the shared pool of 100 connections the scrapes took them all)."""
+    """150 scrapes at once against a /metrics that hangs: at most CONNECTIONS reach the runtime at
+    once, and a /generate is answered meanwhile (over the shared pool of 100 connections the
+    scrapes took them all)."""
     fake = ScrapedRuntime(default_model_dir)
 
     async def scenario(url: str) -> tuple[int, list[httpx.Response]]:
@@ -129,7 +135,7 @@ def test_a_flood_of_metrics_scrapes_takes_no_connection_real_requests_need(defau
         generated, scrapes = asyncio.run(scenario(url))
     assert generated == 200
     assert {(s.status_code, s.text) for s in scrapes} == {(200, "sglang:num_requests_total 7\n")}
-    assert fake.calls["/metrics"] == 1
+    assert fake.calls["/metrics"] == 150 and fake.most_at_once == CONNECTIONS
 
 
 async def _chunks(data: bytes, size: int) -> AsyncIterator[bytes]:

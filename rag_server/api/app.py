@@ -24,7 +24,7 @@ from rag_server.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from rag_server.api.client_timeouts import DEFAULT_CLIENT_IDLE_TIMEOUT_S, ClientTimeouts
 from rag_server.api.health import DEFAULT_INTERVAL_S, HealthMonitor
 from rag_server.api.progress_watchdog import ProgressWatchdog
-from rag_server.api.runtime_metrics import MetricsCache
+from rag_server.api.runtime_metrics import metrics_client
 from rag_server.api.request_stats import RequestStats
 from rag_server.api.state import Frontend, FrontendSettings
 from rag_server.api.upstream import UpstreamTimeouts
@@ -89,7 +89,7 @@ def create_app(
     watchdog = None if watchdog_timeout_s is None else ProgressWatchdog(
         runtime_url, watchdog_timeout_s, health_interval_s, timeouts.connect_s, on_stall)
     app.state.health = HealthMonitor(runtime_url, health_interval_s, timeouts.connect_s, watchdog=watchdog)
-    app.state.metrics = MetricsCache(runtime_url, timeouts.connect_s)
+    app.state.metrics_client = metrics_client(runtime_url, timeouts.connect_s)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.state.request_stats = RequestStats()
     for routes in (health, page, rag_api, openai_chat, quality_routes, native_routes, runtime_metrics, proxy):
@@ -118,5 +118,5 @@ async def _running(app: FastAPI, settings: FrontendSettings) -> AsyncIterator[No
         yield
     finally:
         await app.state.health.aclose()
-        await app.state.metrics.aclose()
+        await app.state.metrics_client.aclose()
         await app.state.frontend.aclose()

@@ -19,8 +19,8 @@ from rag_server.linking.sse import Splitter
 logger = logging.getLogger(__name__)
 
 # SGLang routes the frontend forwards as they are (/generate, /flush_cache, /v1/completions and
-# /v1/chat/completions are forwarded by their own handlers, which add picrag's part; /metrics is
-# answered from a cache, rag_server/api/runtime_metrics.py).
+# /v1/chat/completions are forwarded by their own handlers, which add picrag's part; /metrics
+# over connections of its own, rag_server/api/runtime_metrics.py).
 PASSTHROUGH_ROUTES: dict[str, list[str]] = {
     "/get_model_info": ["GET"],
     "/model_info": ["GET"],
