@@ -34,6 +34,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import httpx
+
 from rag_server.bench.transparency_requests import (AUTO, ENGINE, GENERATE, VANILLA, Generator, GeneratorSettings,
                                                     Request)
 from rag_server.bench.transparency_wire import Difference, Observation, Wire, compare
@@ -149,6 +151,9 @@ class Report:
     violation_counts: Counter = field(default_factory=Counter)
     wall_s: float = 0.0
     max_reported: int = 200
+    # The server stopped answering (a crash is the one violation that ends a run): the error and
+    # the request it was answering.
+    stopped: Optional[dict[str, Any]] = None
 
     def count(self, request: Request) -> None:
         self.requests += 1
@@ -169,7 +174,7 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        return not self.violation_counts
+        return not self.violation_counts and self.stopped is None
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -179,6 +184,7 @@ class Report:
             "counts": {name: dict(sorted(c.items())) for name, c in self.counts.items()},
             "deviation": self.deviations.as_json(),
             "violation_counts": dict(sorted(self.violation_counts.items())),
+            "stopped": self.stopped,
             "violations": [v.as_json() for v in self.violations],
         }
 
@@ -192,6 +198,11 @@ class Fuzzer:
         self.config = config
         self._references: dict[Request, Observation] = {}
         self._cross_checked: set[Request] = set()
+        self._last_sent: Optional[Request] = None
+
+    def send(self, request: Request) -> Observation:
+        self._last_sent = request
+        return self.wire.send(request)
 
     # ---- references ------------------------------------------------------------------
 
@@ -199,7 +210,7 @@ class Fuzzer:
         """`request` alone on a flushed cache: what a fresh server answers."""
         if request not in self._references:
             self.flush()
-            self._references[request] = self.wire.send(request)
+            self._references[request] = self.send(request)
         return self._references[request]
 
     def judge(self, victim: Request, observed: Observation) -> tuple[Difference, Observation]:
@@ -212,7 +223,7 @@ class Fuzzer:
 
     def play(self, requests: Iterable[Request]) -> list[Observation]:
         self.flush()
-        return [self.wire.send(request) for request in requests]
+        return [self.send(request) for request in requests]
 
     # ---- the run ---------------------------------------------------------------------
 
@@ -224,13 +235,24 @@ class Fuzzer:
         def over_budget() -> bool:
             return budget is not None and time.perf_counter() - started > budget
 
+        try:
+            self._run(episodes, report, over_budget)
+        except httpx.HTTPError as exc:
+            last = self._last_sent
+            report.stopped = {"error": f"{type(exc).__name__}: {exc}", "episode": report.episodes - 1,
+                              "last_request": None if last is None else last.describe()}
+        report.references = len(self._references)
+        report.wall_s += time.perf_counter() - started
+        return report
+
+    def _run(self, episodes: list[list[Request]], report: Report, over_budget: Callable[[], bool]) -> None:
         shrunk: Counter = Counter()
         for number, episode in enumerate(episodes):
             if over_budget():
                 break
             if number and number % 50 == 0:
-                logger.info("%d episodes, %d requests, %d violation(s), %.0f s", number, report.requests,
-                            sum(report.violation_counts.values()), time.perf_counter() - started)
+                logger.info("%d episodes, %d requests, %d violation(s)", number, report.requests,
+                            sum(report.violation_counts.values()))
             report.episodes += 1
             observations = self.play(episode)
             for index, (request, observed) in enumerate(zip(episode, observations)):
@@ -256,9 +278,6 @@ class Fuzzer:
                     for violation in self.cross_check(request):
                         violation.episode = number
                         report.record(violation)
-        report.references = len(self._references)
-        report.wall_s += time.perf_counter() - started
-        return report
 
     # ---- cross checks on references --------------------------------------------------
 

@@ -134,7 +134,8 @@ class Request:
         """The request as the report shows it: enough to send it again."""
         out: dict[str, Any] = {"route": self.route, "policy": self.policy, "form": "batch" if self.batch else "single"}
         if self.logprobs != Logprobs():
-            out["logprobs"] = {k: v for k, v in dataclasses.asdict(self.logprobs).items() if v not in (None, False, 0)}
+            default = dataclasses.asdict(Logprobs())
+            out["logprobs"] = {k: v for k, v in dataclasses.asdict(self.logprobs).items() if v != default[k]}
         if self.extra_key is not None:
             out["extra_key"] = self.extra_key
         if self.client_layout:
@@ -182,6 +183,9 @@ class GeneratorSettings:
     max_episode: int = 6
     max_new_tokens: int = 8
     bos: Optional[int] = None  # the model's BOS: compiles of legolink0's pieces put sinks before a chunk
+    # logprob_start_len 0 (no prefix may match at all) among the logprob fields; False to fuzz the
+    # rest on a runtime that a request with it stops.
+    start_len_zero: bool = True
 
 
 @dataclass
@@ -274,7 +278,7 @@ class Generator:
             start = rng.randint(len(prompt.head), len(prompt.input_ids) - 1)
             return Logprobs(return_logprob=True, start_len=start, top=rng.choice([0, 5]))
         if pick < 0.9:
-            return Logprobs(return_logprob=True, start_len=0)
+            return Logprobs(return_logprob=True, start_len=0 if self.settings.start_len_zero else None)
         if policy == VANILLA:
             return Logprobs(return_logprob=True, top=5)
         return Logprobs(return_logprob=rng.random() < 0.5, full_first_token=True)
