@@ -39,7 +39,7 @@ class ForwardLimits:
 def _within_context(value: int, info: ValidationInfo) -> int:
     context_length = (info.context or {}).get("context_length")
     if context_length is not None and value > context_length:
-        raise ValueError(f"{value} new tokens do not fit the {context_length}-token context window")
+        raise ValueError(f"{value} new tokens exceed the context length ({context_length})")
     return value
 
 
