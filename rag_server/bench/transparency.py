@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -198,10 +198,11 @@ class Fuzzer:
         self.config = config
         self._references: dict[Request, Observation] = {}
         self._cross_checked: set[Request] = set()
-        self._last_sent: Optional[Request] = None
+        # The last requests sent: a runtime that died answering one refuses the next connection.
+        self._last_sent: deque[Request] = deque(maxlen=3)
 
     def send(self, request: Request) -> Observation:
-        self._last_sent = request
+        self._last_sent.append(request)
         return self.wire.send(request)
 
     # ---- references ------------------------------------------------------------------
@@ -238,9 +239,8 @@ class Fuzzer:
         try:
             self._run(episodes, report, over_budget)
         except httpx.HTTPError as exc:
-            last = self._last_sent
             report.stopped = {"error": f"{type(exc).__name__}: {exc}", "episode": report.episodes - 1,
-                              "last_request": None if last is None else last.describe()}
+                              "last_requests": [r.describe() for r in self._last_sent]}
         report.references = len(self._references)
         report.wall_s += time.perf_counter() - started
         return report
