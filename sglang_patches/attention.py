@@ -26,7 +26,9 @@ from torch.nn.functional import scaled_dot_product_attention
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
 from sglang_patches.attention_backends import NATIVE_BACKEND
-from sglang_patches.position_masks import batch_annotations, position_mask
+from sglang_patches.context_attention import accumulate
+from sglang_patches.forward_annotations import ForwardAnnotations, annotations_of
+from sglang_patches.position_masks import position_mask
 
 BACKEND_NAME = NATIVE_BACKEND
 
@@ -144,10 +146,10 @@ class DecodeRows:
 
 
 class QueryOnlyTorchNativeBackend(TorchNativeAttnBackend):
-    # Per batch index: the true position of every row entry (reordered LegoLink prompts) and
-    # the positions of the queries when they are not the row's last entries (CacheBlend).
-    _true_positions: dict[int, torch.Tensor] = {}
-    _query_positions: dict[int, torch.Tensor] = {}
+    # The extend batch's annotations (sglang_patches.forward_annotations): per batch index, the
+    # true position of every row entry (reordered prompts), the positions of the queries when
+    # they are not the row's last entries (CacheBlend), the question's attention sums.
+    _annotations = ForwardAnnotations()
 
     _decode_layer: Optional[int] = None  # the layer of the decode forward running now
     _last_decode_layer: int = -1  # layer ids rise within a forward: a lower or equal one starts the next
@@ -159,7 +161,7 @@ class QueryOnlyTorchNativeBackend(TorchNativeAttnBackend):
         return self._decode_rows
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        self._true_positions, self._query_positions = batch_annotations(forward_batch)
+        self._annotations = annotations_of(forward_batch) or ForwardAnnotations()
         self.decode_rows.forget(forward_batch.req_pool_indices.tolist())
         return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
 
@@ -198,6 +200,7 @@ class QueryOnlyTorchNativeBackend(TorchNativeAttnBackend):
             )
         # [tokens, heads, dim] -> [heads, tokens, dim]
         query = query.movedim(0, 1)
+        annotations = self._annotations
         start_q = 0
         for seq_idx in range(seq_lens.shape[0]):
             q_len = int(extend_seq_lens[seq_idx])
@@ -205,7 +208,8 @@ class QueryOnlyTorchNativeBackend(TorchNativeAttnBackend):
             end_q = start_q + q_len
             slots = req_to_token[req_pool_indices[seq_idx], :kv_len]
             mask = position_mask(
-                q_len, kv_len, self._true_positions.get(seq_idx), self._query_positions.get(seq_idx), query.device
+                q_len, kv_len, annotations.true_positions.get(seq_idx), annotations.query_positions.get(seq_idx),
+                query.device,
             )
             if mask is not None:
                 is_causal = False
@@ -218,6 +222,10 @@ class QueryOnlyTorchNativeBackend(TorchNativeAttnBackend):
             output[start_q:end_q] = attend_row(
                 query[:, start_q:end_q, :], key, value, scaling, enable_gqa, mask, is_causal
             )
+            report = annotations.attention.get(seq_idx)
+            if report is not None:
+                accumulate(report, query[:, start_q:end_q, :], key, scaling, mask,
+                           torch.arange(kv_len - q_len, kv_len, device=query.device))
             start_q = end_q
         return output
 

@@ -2,9 +2,10 @@
 annotations on SGLang's copy of the batch.
 
 An AFTER hook on `ForwardBatch.init_new` (the one place a batch's positions are made) builds one
-ForwardAnnotations (sglang_patches.forward_annotations): the true positions of prompts sent in
-LegoLink's order (sglang_patches.positions) and CacheBlend's cached KV put in place
-(sglang_patches.cacheblend). The requests' grafts are done by then, so their chunk leases end
+ForwardAnnotations (sglang_patches.forward_annotations): the true positions of prompts sent
+reordered (sglang_patches.positions) and CacheBlend's cached KV put in place
+(sglang_patches.cacheblend), and where the question's attention is summed for links that ask
+(sglang_patches.context_attention). The requests' grafts are done by then, so their chunk leases end
 here (sglang_patches.chunk_cache). SGLang 0.5.23's eager runner then copies the batch into
 static buffers and runs the model on a *new* ForwardBatch made by `dataclasses.replace`, which
 keeps dataclass fields only: an AFTER hook on `EagerRunner.load_batch` carries the annotations
@@ -29,8 +30,11 @@ def annotate(forward_batch, _cls, batch, *_args, **_kwargs):
     plans = [plan_of(req) for req in batch.reqs]
     if not any(plans):
         return forward_batch
-    annotations = ForwardAnnotations(true_positions=true_positions_of(forward_batch, plans),
-                                     blend=prepare_blend(forward_batch, plans))
+    annotations = ForwardAnnotations(
+        true_positions=true_positions_of(forward_batch, plans), blend=prepare_blend(forward_batch, plans),
+        attention={index: plan.stats.context_attention for index, plan in enumerate(plans)
+                   if plan is not None and plan.stats.context_attention is not None},
+    )
     for plan in plans:
         if plan is not None:
             plan.release_lease()

@@ -68,7 +68,7 @@ from sglang_patches.chunk_key import chunk_key
 from sglang_patches.disk_chunk_store import CorruptChunkFile, DiskChunkStore
 from sglang_patches.link_hints import MISS_REFUSAL, LinkHintError
 from sglang_patches.link_plan import PLAN_ATTR, LinkPlan, build_plan
-from sglang_patches.repair.kv_repair import RepairSpan, repair_spans
+from sglang_patches.repair.kv_repair import RepairPart, RepairSpan, repair_spans
 from sglang_patches.request_guard import EngineSettings, admitted_link, client_namespace, shape_of_req
 from sglang_patches.rope_shift import KeyShifter
 from sglang_patches.tree_keys import NAMESPACE_PREFIX
@@ -88,7 +88,7 @@ def _with_namespace(namespace: str, extra_key: Optional[str]) -> str:
 class _Graft:
     source_slots: torch.Tensor
     shift: int
-    repair: Optional[RepairSpan] = None  # repairing families: the chunk this graft is part of
+    repair: Optional[RepairPart] = None  # repairing families: the run of its chunk this graft writes
 
 
 class ChunksLast(EvictionStrategy):
@@ -200,6 +200,11 @@ class ChunkRadixCache(RadixCache):
         if plan is None:
             return super().match_prefix(dataclasses.replace(params, key=key))
         link, stats = plan.link, plan.stats
+        report = stats.context_attention
+        if report is not None and len(key) > report.question_start:
+            # The question's attention is measured as it is computed: none of it comes from the tree.
+            key = RadixKey(key.token_ids, key.extra_key, is_bigram=key.is_bigram, limit=report.question_start,
+                           cache_salt=key.cache_salt)
         if not link.family.matches_tree:
             result = self._empty_match_result
         else:
@@ -381,69 +386,71 @@ class ChunkRadixCache(RadixCache):
 
     def _graft_chunks(self, key: RadixKey, plan: LinkPlan) -> None:
         """Graft the plan's segments that follow the prompt's path in the tree, and count its
-        chunks: hits (on the path or grafted whole), misses (not grafted) and, of the misses,
+        chunks: hits (every run of it on the path or grafted), misses (not) and, of the misses,
         those cut by the request's own shape."""
         limit = len(key)  # SGLang caps the match (the last prompt token, logprob_start_len)
         # SGLang's helper cannot look up an empty key (logprob_start_len 0): nothing matches.
         values, prefix_node = self._match_prefix_helper(self.root_node, key) if limit else ([], self.root_node)
         matched = sum(len(v) for v in values)
         stats = plan.stats
-        n_chunks = sum(seg.is_chunk and not seg.recomputed_whole for seg in plan.segments)
+        # Per chunk with something to graft: its runs not on the path, and those not grafted either.
+        unmatched = Counter(seg.chunk for seg in plan.segments if seg.is_chunk and not seg.recomputed_whole)
+        ungrafted = Counter(unmatched)
         grafts: list[_Graft] = []
-        # Repairing families: every chunk the network sees, in prompt order. Chunks already on
-        # the path and chunks recomputed whole are context only (nothing of theirs is written).
-        network_spans: list[RepairSpan] = []
+        # Repairing families: every chunk the network sees, once, in prompt order. Chunks already
+        # on the path and chunks recomputed whole are context only (nothing of theirs is written).
+        network_spans: dict[int, RepairSpan] = {}
+        stored: dict[int, torch.Tensor] = {}  # segment's chunk -> the stored slots, locked
         locks = [self.lock(prefix_node)]
         position = matched
-        hits = hits_on_path = 0
         cut = False  # grafting stopped where the request's own shape stops it, not the store
         new_slots = None
         try:
             for seg in plan.segments:
-                if seg.end <= matched or seg.recomputed_whole:
-                    # Already on this prompt's path in the tree, or nothing of it to graft.
-                    if plan.repairs and seg.is_chunk:
-                        found = self.lookup_chunk(seg.chunk_tokens)
-                        if found is None:
-                            # The network would not see the context it saw for the chunks on the
-                            # path: what follows cannot get the KV the policy defines.
-                            break
-                        locks.append(found[2])
-                        network_spans.append(RepairSpan(found[1], list(seg.chunk_tokens), seg.shift))
-                    hits_on_path += seg.is_chunk and not seg.recomputed_whole
-                    continue
-                if seg.start > position or position >= limit:
+                on_path = seg.end <= matched or seg.recomputed_whole  # nothing of it to graft
+                if not on_path and (seg.start > position or position >= limit):
                     # Tokens before this segment are computed (a gap between chunks), or SGLang
                     # computes from here on: nothing after can be grafted, whatever is stored.
                     cut = True
                     break
-                found = self.lookup_chunk(seg.chunk_tokens)
-                if found is None:
-                    break
-                _, slots, lock = found
-                locks.append(lock)
+                if (not on_path or plan.repairs and seg.is_chunk) and seg.chunk not in stored:
+                    found = self.lookup_chunk(seg.chunk_tokens)
+                    if found is None:
+                        # Not stored: it is computed, and so is what follows (the repair network
+                        # could not see it, so what follows cannot get the KV the policy defines).
+                        break
+                    locks.append(found[2])
+                    stored[seg.chunk] = found[1]
+                    if plan.repairs and seg.is_chunk:
+                        network_spans[seg.chunk] = RepairSpan(found[1], list(seg.chunk_tokens), seg.shift)
+                if on_path:
+                    if seg.is_chunk and not seg.recomputed_whole:
+                        unmatched[seg.chunk] -= 1
+                        ungrafted[seg.chunk] -= 1
+                    continue
                 take_end = min(seg.end, limit)
                 first = seg.chunk_offset + position - seg.start
-                span = None
-                if plan.repairs and seg.is_chunk:
-                    span = RepairSpan(slots, list(seg.chunk_tokens), seg.shift, first, take_end - position)
-                    network_spans.append(span)
-                grafts.append(_Graft(slots[first : first + take_end - position], shift=seg.shift, repair=span))
+                part = None
+                if seg.chunk in network_spans:
+                    part = RepairPart(first, take_end - position)
+                    network_spans[seg.chunk].parts.append(part)
+                grafts.append(_Graft(stored[seg.chunk][first : first + take_end - position], seg.shift, part))
                 position = take_end
                 if take_end < seg.end:
-                    cut = True  # the rest of this chunk is computed in context
+                    cut = True  # the rest of this segment is computed in context
                     break
-                hits += seg.is_chunk
+                if seg.is_chunk:
+                    ungrafted[seg.chunk] -= 1
             new_slots = self._materialize(grafts) if grafts else None
-            if plan.repairs and new_slots is not None:
-                self._repair(network_spans, grafts, new_slots)
+            if network_spans and new_slots is not None:
+                self._repair(list(network_spans.values()), grafts, new_slots)
         finally:
             for lock in locks:
                 self.unlock(lock)
         if grafts and new_slots is None:
-            hits, cut = 0, False  # the pool is full: nothing was grafted
-        stats.chunk_hits = hits_on_path + hits
-        stats.chunk_misses = n_chunks - stats.chunk_hits
+            ungrafted, cut = unmatched, False  # the pool is full: only what was on the path counts
+        stats.chunk_hits = sum(1 for remaining in ungrafted.values() if remaining == 0)
+        stats.chunk_misses = len(ungrafted) - stats.chunk_hits
         stats.chunks_cut = stats.chunk_misses if cut else 0
         if new_slots is None:
             return

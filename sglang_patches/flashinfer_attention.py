@@ -25,7 +25,9 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_patches.attention import gather_kv
 from sglang_patches.attention_backends import FLASHINFER_BACKEND
-from sglang_patches.position_masks import batch_annotations, position_mask
+from sglang_patches.context_attention import AttentionReport, accumulate
+from sglang_patches.forward_annotations import annotations_of
+from sglang_patches.position_masks import position_mask
 
 BACKEND_NAME = FLASHINFER_BACKEND
 # The contract of flashinfer.single_prefill_with_kv_cache (NHD layout): q [q_len, Hq, D],
@@ -49,6 +51,7 @@ def position_masked_extend(
     true_positions: Mapping[int, torch.Tensor],
     query_positions: Mapping[int, torch.Tensor],
     prefill: PrefillKernel,
+    attention: Optional[Mapping[int, AttentionReport]] = None,
     *,
     sm_scale: float,
     logits_soft_cap: Optional[float] = None,
@@ -57,7 +60,8 @@ def position_masked_extend(
     """Attention of a batch's extend queries [tokens, Hq, D] over each request's row of KV slots.
 
     Annotated requests attend under their position mask (sliding windows are not applied to
-    them, as in picrag_native); the others attend causally, aligned to the row's end."""
+    them, as in picrag_native); the others attend causally, aligned to the row's end. Requests
+    in `attention` have their question's attention summed (sglang_patches.context_attention)."""
     output = torch.empty_like(query)
     start = 0
     for index, (slots, q_len) in enumerate(zip(rows, extend_lens)):
@@ -71,6 +75,9 @@ def position_masked_extend(
             custom_mask=mask, causal=mask is None, sm_scale=sm_scale,
             window_left=window_left if mask is None else -1, logits_soft_cap=logits_soft_cap,
         )
+        if attention and index in attention:
+            accumulate(attention[index], query[start:end].movedim(0, 1), key, sm_scale, mask,
+                       torch.arange(len(slots) - q_len, len(slots), device=query.device))
         start = end
     return output
 
@@ -85,8 +92,8 @@ class PositionMaskedFlashInferBackend(FlashInferAttnBackend):
             self._check_kv_attention_access("decode", self.decode_kv_access)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        true_positions, query_positions = batch_annotations(forward_batch)
-        if not (true_positions or query_positions) or layer.is_cross_attention:
+        annotations = annotations_of(forward_batch)
+        if not annotations or layer.is_cross_attention:
             return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         if self.prefill_uses_dequant_workspace:
             raise NotImplementedError(
@@ -108,7 +115,8 @@ class PositionMaskedFlashInferBackend(FlashInferAttnBackend):
             q.contiguous().view(-1, layer.tp_q_head_num, layer.head_dim),
             self.token_to_kv_pool.get_key_buffer(layer.layer_id),
             self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-            rows, forward_batch.extend_seq_lens.tolist(), true_positions, query_positions, flashinfer_prefill(),
+            rows, forward_batch.extend_seq_lens.tolist(), annotations.true_positions, annotations.query_positions,
+            flashinfer_prefill(), annotations.attention,
             sm_scale=layer.scaling, logits_soft_cap=layer.logit_cap or None,
             window_left=window if window is not None else -1,
         )

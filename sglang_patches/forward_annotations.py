@@ -17,15 +17,18 @@ ATTR = "picrag_forward"
 
 @dataclass
 class ForwardAnnotations:
-    # Batch index -> the true position of every row entry of a prompt sent in LegoLink's order
+    # Batch index -> the true position of every row entry of a prompt sent reordered
     # (sglang_patches.positions).
     true_positions: dict[int, torch.Tensor] = field(default_factory=dict)
     # Batch index -> the positions of a request's queries once CacheBlend kept only some rows.
     query_positions: dict[int, torch.Tensor] = field(default_factory=dict)
     blend: Any = None  # sglang_patches.cacheblend.BlendState of the batch's cacheblend requests
+    # Batch index -> the sums of the question's attention, for links that asked for them
+    # (sglang_patches.context_attention.AttentionReport).
+    attention: dict[int, Any] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.true_positions or self.query_positions or self.blend is not None)
+        return bool(self.true_positions or self.query_positions or self.blend is not None or self.attention)
 
 
 def annotations_of(forward_batch) -> Optional[ForwardAnnotations]:

@@ -10,13 +10,18 @@ and versioned actions, delivered to the tree cache as `req.kv_hints`). Two actio
 
   ``chunks`` are token spans of ``input_ids``, ascending and disjoint; ``policy`` names a family
   of sglang_patches.policies (or a whole policy name, "legolink:4"). Its parameter travels as
-  ``k`` or ``ratio``, a prompt reordered by `runtime_request` carries ``"layout": "legolink"``,
-  and families that store chunks behind sinks carry ``sink_token`` (the model's BOS). Tokens
+  ``k`` or ``ratio`` (the selecting families carry both), a prompt reordered by
+  `runtime_request` carries ``"layout": "legolink"``, families that store chunks behind sinks
+  carry ``sink_token`` (the model's BOS), and the selecting families carry the prompt positions
+  they recompute beyond the first k of every chunk as ``"recompute": [[start, end], ...]``
+  (original order, each run inside a chunk). Tokens
   outside chunks (system prompt, question) are ordinary tokens. Any other field, or a field of
   the wrong type, is refused. ``"on_miss": "refuse"`` asks the engine to answer at once, with
   no compute, when a chunk is not in the store as the request arrives (`MISS_REFUSAL`): the
   frontend then compiles it again and relinks, and no prefill is thrown away. Without it a
-  missing chunk is computed as ordinary tokens.
+  missing chunk is computed as ordinary tokens. ``"context_attention": true`` asks for the
+  attention the question pays to every prompt position (sglang_patches.context_attention), from
+  which the frontend picks what a selecting family recomputes.
 
 ``picrag.compile`` (version "1", empty payload): the whole prompt is one chunk to compute alone
 at positions 0..n-1 and store in the chunk cache (send it with ``max_new_tokens`` 0 or 1).
@@ -27,21 +32,24 @@ vanilla SGLang.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import uuid
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from sglang_patches.policies import K, POLICY_FAMILIES, RATIO, Policy, PolicyError, PolicyFamily, parse_policy
+from sglang_patches.policies import (K, POLICY_FAMILIES, RATIO, ParamKind, Policy, PolicyError, PolicyFamily,
+                                     parse_policy)
 
 LINK_ACTION = "picrag.link"
 COMPILE_ACTION = "picrag.compile"
 ACTION_VERSION = "1"
 PROTOCOL_VERSION = "1"
 ORIGINAL_LAYOUT = "original"
-# The value of "layout" for a prompt sent in LegoLink's order (families with reordered_layout).
+# The value of "layout" for a prompt sent reordered (families with reordered_layout: LegoLink's order first).
 REORDERED_LAYOUT = "legolink"
-LINK_FIELDS = ("policy", "chunks", K.name, RATIO.name, "layout", "sink_token", "on_miss", "first_token_logprobs")
+LINK_FIELDS = ("policy", "chunks", K.name, RATIO.name, "layout", "sink_token", "on_miss", "first_token_logprobs",
+               "recompute", "context_attention")
 ON_MISS_COMPUTE = "compute"
 ON_MISS_REFUSE = "refuse"
 # The start of the engine's answer to an `on_miss: refuse` link whose chunks are not all stored
@@ -59,11 +67,14 @@ class LinkRequest:
     chunks: tuple[tuple[int, int], ...] = ()
     compile: bool = False
     k: int = 0  # families with param "k": tokens recomputed at the head of every chunk
-    layout: str = ORIGINAL_LAYOUT  # REORDERED_LAYOUT: input_ids arrive reordered (sglang_patches.legolink_layout)
+    layout: str = ORIGINAL_LAYOUT  # REORDERED_LAYOUT: input_ids arrive reordered (sglang_patches.reordered_layout)
     sink_token: Optional[int] = None  # families with sink_tokens: the token compiled before each chunk
     ratio: float = 0.0  # families with param "ratio": fraction of chunk tokens recomputed after the check layer
     refuse_on_miss: bool = False  # answer at once, computing nothing, if a chunk is not stored on arrival
     report_first_token: bool = False  # return the first answer token's full-vocabulary log-probabilities
+    # Selecting families: prompt positions recomputed besides the first k of every chunk (original order).
+    recompute: tuple[tuple[int, int], ...] = ()
+    report_attention: bool = False  # return the question's attention over every prompt position
 
     @classmethod
     def of(cls, policy: Union[str, Policy], chunks, sink_token: Optional[int] = None) -> LinkRequest:
@@ -72,7 +83,7 @@ class LinkRequest:
         family = policy.family
         return cls(
             policy=family.name, chunks=tuple((int(s), int(e)) for s, e in chunks),
-            k=int(policy.param) if family.param == K.name else 0,
+            k=int(policy.param) if family.param == K.name else policy.k,
             ratio=float(policy.param) if family.param == RATIO.name else 0.0,
             sink_token=sink_token if family.sink_tokens else None,
         )
@@ -80,6 +91,20 @@ class LinkRequest:
     @property
     def family(self) -> PolicyFamily:
         return POLICY_FAMILIES[self.policy]
+
+    @property
+    def policy_name(self) -> str:
+        """The whole policy name: 'legolink:4', 'select:0.15,16', 'naive'."""
+        family = self.family
+        return family.policy(getattr(self, family.param) if family.param else None, self.k).name
+
+    @property
+    def recomputed_runs(self) -> list[tuple[int, int]]:
+        """The chunk tokens a family with a reordered layout recomputes, as merged runs of the
+        original prompt: the first k of every chunk, and what the link names besides."""
+        from sglang_patches.reordered_layout import first_k_runs, merge_runs
+
+        return merge_runs([*first_k_runs(self.chunks, self.k), *self.recompute])
 
     def stored_chunk(self, chunk_tokens: list[int]) -> list[int]:
         """The tokens a chunk is compiled and stored as under this policy."""
@@ -101,7 +126,20 @@ class LinkRequest:
         for kind, value in ((K, self.k), (RATIO, self.ratio)):
             if not kind.holds(value):
                 raise LinkHintError(f"{self.policy} {kind.name} needs {kind.requirement()}, got {value}")
-        # A reordered prompt runs at the positions legolink_layout gives its spans and k: only a
+        if self.report_attention and (family.blends_chunks or not family.reuses_chunks):
+            raise LinkHintError(f"context_attention is for families that link stored chunks, not {self.policy}")
+        if self.recompute and family.scored_as is None:
+            raise LinkHintError(f"{self.policy} takes no recompute (only the selecting families do)")
+        previous_end = 0
+        chunk_starts = [start for start, _ in self.chunks]
+        for start, end in self.recompute:
+            if start < previous_end or start >= end:
+                raise LinkHintError(f"recompute runs must be ascending, disjoint and non-empty, got [{start}, {end})")
+            index = bisect.bisect_right(chunk_starts, start) - 1
+            if index < 0 or end > self.chunks[index][1]:
+                raise LinkHintError(f"recompute run [{start}, {end}) is not inside one chunk")
+            previous_end = end
+        # A reordered prompt runs at the positions reordered_layout gives its recomputed runs: only a
         # family that reorders, with chunks to reorder, may say so.
         if self.layout not in (ORIGINAL_LAYOUT, REORDERED_LAYOUT):
             raise LinkHintError(f"layout must be {REORDERED_LAYOUT!r} or absent, got {self.layout!r}")
@@ -125,32 +163,31 @@ def _whole(value: Any, field: str) -> int:
     return value
 
 
-def _spans(value: Any) -> tuple[tuple[int, int], ...]:
+def _spans(value: Any, field: str) -> tuple[tuple[int, int], ...]:
     if not isinstance(value, (list, tuple)):
-        raise LinkHintError(f"{LINK_ACTION} chunks must be a list of [start, end] spans, got {value!r}")
+        raise LinkHintError(f"{LINK_ACTION} {field} must be a list of [start, end] spans, got {value!r}")
     spans = []
     for span in value:
         if not (isinstance(span, (list, tuple)) and len(span) == 2):
-            raise LinkHintError(f"{LINK_ACTION} chunks: a span is [start, end], got {span!r}")
-        spans.append((_whole(span[0], "chunks"), _whole(span[1], "chunks")))
+            raise LinkHintError(f"{LINK_ACTION} {field}: a span is [start, end], got {span!r}")
+        spans.append((_whole(span[0], field), _whole(span[1], field)))
     return tuple(spans)
 
 
-def _param(payload: dict, policy_name: str, policy: Policy) -> Union[int, float, None]:
-    """The family's parameter, from the payload or the policy name (one of them)."""
+def _param(payload: dict, policy_name: str, policy: Policy, kind: ParamKind) -> Union[int, float, None]:
+    """A parameter of the family (its own, or the k of a family that takes one), from the
+    payload or the policy name (one of them)."""
     family = policy.family
-    for kind in (K, RATIO):
-        if kind.name in payload and family.param != kind.name:
-            raise LinkHintError(f"{family.name} takes no {kind.name}")
-    if family.param is None or family.param not in payload:
-        return policy.param
-    value = payload[family.param]
-    if family.param == K.name:
-        value = _whole(value, K.name)
+    named = policy.param if family.param == kind.name else policy.k
+    if kind.name not in payload:
+        return named
+    value = payload[kind.name]
+    if kind.whole:
+        value = _whole(value, kind.name)
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise LinkHintError(f"{LINK_ACTION} {family.param} must be a number, got {value!r}")
-    if ":" in policy_name and value != policy.param:
-        raise LinkHintError(f"policy {policy_name!r} and {family.param} {value} disagree")
+        raise LinkHintError(f"{LINK_ACTION} {kind.name} must be a number, got {value!r}")
+    if ":" in policy_name and value != named:
+        raise LinkHintError(f"policy {policy_name!r} and {kind.name} {value} disagree")
     return value
 
 
@@ -163,7 +200,12 @@ def _link_of_payload(payload: dict) -> LinkRequest:
         raise LinkHintError(f"{LINK_ACTION} policy must be a string, got {policy_name!r}")
     policy = parse_policy(policy_name)
     family = policy.family
-    param = _param(payload, policy_name, policy)
+    takes = {kind.name for kind in (K, RATIO) if family.param == kind.name or (kind is K and family.takes_k)}
+    for kind in (K, RATIO):
+        if kind.name in payload and kind.name not in takes:
+            raise LinkHintError(f"{family.name} takes no {kind.name}")
+    k = _param(payload, policy_name, policy, K) if K.name in takes else 0
+    ratio = _param(payload, policy_name, policy, RATIO) if RATIO.name in takes else 0.0
     layout = payload.get("layout", ORIGINAL_LAYOUT)
     if not isinstance(layout, str):
         raise LinkHintError(f"layout must be {REORDERED_LAYOUT!r} or absent, got {layout!r}")
@@ -171,15 +213,16 @@ def _link_of_payload(payload: dict) -> LinkRequest:
     on_miss = payload.get("on_miss", ON_MISS_COMPUTE)
     if on_miss not in (ON_MISS_COMPUTE, ON_MISS_REFUSE):
         raise LinkHintError(f"on_miss must be {ON_MISS_COMPUTE!r} or {ON_MISS_REFUSE!r}, got {on_miss!r}")
-    report = payload.get("first_token_logprobs", False)
-    if not isinstance(report, bool):
-        raise LinkHintError(f"first_token_logprobs must be true or false, got {report!r}")
+    flags = {}
+    for field in ("first_token_logprobs", "context_attention"):
+        flags[field] = payload.get(field, False)
+        if not isinstance(flags[field], bool):
+            raise LinkHintError(f"{field} must be true or false, got {flags[field]!r}")
     return LinkRequest(
-        policy=family.name, chunks=_spans(payload.get("chunks", [])),
-        k=param if family.param == K.name else 0,
-        ratio=float(param) if family.param == RATIO.name else 0.0,
+        policy=family.name, chunks=_spans(payload.get("chunks", []), "chunks"), k=k, ratio=float(ratio),
         layout=layout, sink_token=None if sink is None else _whole(sink, "sink_token"),
-        refuse_on_miss=on_miss == ON_MISS_REFUSE, report_first_token=report,
+        refuse_on_miss=on_miss == ON_MISS_REFUSE, report_first_token=flags["first_token_logprobs"],
+        recompute=_spans(payload.get("recompute", []), "recompute"), report_attention=flags["context_attention"],
     )
 
 
@@ -235,6 +278,12 @@ def hints_of(link: LinkRequest) -> dict:
     payload = {"policy": link.policy, "chunks": [list(c) for c in link.chunks]}
     if link.family.param is not None:
         payload[link.family.param] = getattr(link, link.family.param)
+    if link.family.takes_k:
+        payload[K.name] = link.k
+    if link.recompute:
+        payload["recompute"] = [list(run) for run in link.recompute]
+    if link.report_attention:
+        payload["context_attention"] = True
     if link.layout != ORIGINAL_LAYOUT:
         payload["layout"] = link.layout
     if link.sink_token is not None:
@@ -249,12 +298,12 @@ def hints_of(link: LinkRequest) -> dict:
 def runtime_request(input_ids: list[int], link: LinkRequest) -> tuple[list[int], dict]:
     """The input_ids and kv_hints the runtime gets for a prompt in its original order: prompts of
     families with a reordered layout are reordered so the tokens recomputed inside the prompt
-    form the extend (legolink_layout)."""
+    form the extend (sglang_patches.reordered_layout)."""
     if not link.family.reordered_layout or not link.chunks:
         return input_ids, hints_of(link)
-    from sglang_patches.legolink_layout import legolink_layout
+    from sglang_patches.reordered_layout import reordered_layout
 
-    layout = legolink_layout(len(input_ids), list(link.chunks), link.k)
+    layout = reordered_layout(len(input_ids), link.chunks, link.recomputed_runs)
     reordered = dataclasses.replace(link, layout=REORDERED_LAYOUT)
     return layout.reorder(input_ids), hints_of(reordered)
 

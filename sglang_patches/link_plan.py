@@ -2,7 +2,7 @@
 
 Everything the engine does with a linked request reads its plan: the tree namespace and key
 (sglang_patches.tree_keys), the chunks grafted and repaired (sglang_patches.chunk_cache), the
-stored chunks leased on arrival, the true positions of a prompt sent in LegoLink's order
+stored chunks leased on arrival, the true positions of a prompt sent reordered
 (sglang_patches.positions), CacheBlend's sources (sglang_patches.cacheblend), the first-token
 report and the accounting in meta_info. It hangs on SGLang's request object under one
 attribute (`PLAN_ATTR`); `plan_of` reads it. Building it is pure: the same request always gets
@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from sglang_patches.chunk_key import chunk_key
-from sglang_patches.legolink_layout import legolink_layout
+from sglang_patches.context_attention import AttentionReport
+from sglang_patches.reordered_layout import reordered_layout
 from sglang_patches.link_hints import REORDERED_LAYOUT, LinkRequest
 from sglang_patches.policies import PolicyFamily
 from sglang_patches.tree_keys import namespace_of, prompt_key
 
 PLAN_ATTR = "picrag_plan"
+HEAD = -1  # Segment.chunk of the head
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,11 @@ class Segment:
     chunk_tokens: tuple[int, ...]  # the stored chunk it comes from (as stored: behind its sinks)
     chunk_offset: int  # where in that chunk the span begins
     shift: int  # true position of the stored chunk's first token
-    is_chunk: bool  # False for the head (a true prefix, never counted)
+    chunk: int  # which of the link's chunks it belongs to; HEAD for the head (a true prefix, never counted)
+
+    @property
+    def is_chunk(self) -> bool:
+        return self.chunk != HEAD
 
     @property
     def recomputed_whole(self) -> bool:
@@ -64,6 +70,8 @@ class LinkStats:
     grafted_tokens: int = 0
     # sglang_patches.first_token_report: the first answer token's log-probabilities, until sent.
     first_token_logprobs: Optional[str] = None
+    # sglang_patches.context_attention: the question's attention over the prompt, until sent.
+    context_attention: Optional[AttentionReport] = None
 
     def as_meta(self) -> dict[str, int | str]:
         return {
@@ -112,13 +120,18 @@ def _segments(prompt: list[int], link: LinkRequest) -> list[Segment]:
         return []
     head_end = link.chunks[0][0]
     if link.layout == REORDERED_LAYOUT:
-        layout = legolink_layout(len(prompt), list(link.chunks), link.k)
+        layout = reordered_layout(len(prompt), link.chunks, link.recomputed_runs)
         original = layout.restore(prompt)
-        # An empty rest (k covers the whole chunk) stays as a segment: see recomputed_whole.
-        spans = [
-            (rest_start, rest_end, tuple(original[s:e]), min(link.k, e - s), s)
-            for (s, e), (rest_start, rest_end) in zip(link.chunks, layout.rests)
-        ]
+        spans = []
+        position = layout.head_len
+        for index, ((s, e), fragments) in enumerate(zip(link.chunks, layout.fragments)):
+            tokens = tuple(original[s:e])
+            # A chunk recomputed whole stays as an empty segment: see recomputed_whole.
+            for fragment in fragments or [None]:
+                start, end, offset = (position, position, e - s) if fragment is None else (
+                    fragment.start, fragment.end, fragment.chunk_offset)
+                spans.append((start, end, tokens, offset, s, index))
+                position = end
     elif link.family.blends_chunks:
         # Only the head is grafted: the chunks are extend tokens, their cached KV is placed in
         # the forward (sglang_patches.cacheblend).
@@ -127,12 +140,13 @@ def _segments(prompt: list[int], link: LinkRequest) -> list[Segment]:
         original = prompt
         # legolink0 chunks are stored behind sink tokens: skip them, shift by their count.
         sinks = link.family.sink_tokens
-        spans = [(s, e, tuple(link.stored_chunk(prompt[s:e])), sinks, s - sinks) for s, e in link.chunks]
+        spans = [(s, e, tuple(link.stored_chunk(prompt[s:e])), sinks, s - sinks, index)
+                 for index, (s, e) in enumerate(link.chunks)]
     # The head (system prompt) is a true prefix: compiled at position 0 it is exact KV, so it is
     # grafted from the chunk store unshifted, but it is not a chunk (never counted, never
     # recomputed by a link step).
-    head = [Segment(0, head_end, tuple(original[:head_end]), 0, 0, False)] if head_end > 0 else []
-    return head + [Segment(*span, is_chunk=True) for span in spans]
+    head = [Segment(0, head_end, tuple(original[:head_end]), 0, 0, HEAD)] if head_end > 0 else []
+    return head + [Segment(*span) for span in spans]
 
 
 def build_plan(prompt: list[int], link: LinkRequest, repair_digest: Optional[str]) -> LinkPlan:
@@ -141,22 +155,27 @@ def build_plan(prompt: list[int], link: LinkRequest, repair_digest: Optional[str
     counterpart before this is called)."""
     family = link.family
     stats = LinkStats(policy="compile" if link.compile else link.policy)
+    if link.report_attention:
+        # The question follows the last chunk in either order.
+        stats.context_attention = AttentionReport(question_start=link.chunks[-1][1] if link.chunks else 0)
     if link.compile or not family.reuses_chunks:
         return LinkPlan(link, tuple(prompt), (), (), None, None, None, False, stats)
     segments = tuple(_segments(prompt, link))
     reordered = link.layout == REORDERED_LAYOUT
+    runs = link.recomputed_runs if reordered else None
     namespace = namespace_of(
         family.name, sink_token=link.sink_token if family.sink_tokens else None,
-        k=link.k if reordered else None, chunks=link.chunks if reordered else (),
-        repair_digest=repair_digest if family.repairs else None,
+        chunks=link.chunks, recomputed=runs, repair_digest=repair_digest if family.repairs else None,
     )
     if family.blends_chunks:
         stored = tuple(tuple(prompt[s:e]) for s, e in link.chunks)
     else:
-        stored = tuple(seg.chunk_tokens for seg in segments if seg.is_chunk and not seg.recomputed_whole)
+        # Each chunk once, however many runs of it are grafted.
+        stored = tuple({seg.chunk: seg.chunk_tokens for seg in segments
+                        if seg.is_chunk and not seg.recomputed_whole}.values())
     return LinkPlan(
         link, tuple(prompt), segments, stored, namespace,
         tree_key=prompt_key(prompt, segments, whole_chunk=family.repairs) if link.chunks else None,
-        order=legolink_layout(len(prompt), list(link.chunks), link.k).order if reordered else None,
+        order=reordered_layout(len(prompt), link.chunks, runs).order if reordered else None,
         repairs=family.repairs, stats=stats,
     )

@@ -1,8 +1,9 @@
 """Every link policy picrag serves: one record per policy family, and the parser of policy names.
 
 A policy name is a family, optionally with its parameter: ``legolink:4`` (k = 4),
-``cacheblend:0.3`` (ratio 0.3). A family named bare gets its default parameter (``legolink`` is
-``legolink:16``). Everything that depends on what a policy does (the wire format in
+``cacheblend:0.3`` (ratio 0.3); the selecting families also take ``,K`` after their ratio
+(``select:0.15,16``: the first 16 tokens of every chunk as well). A family named bare gets its
+default parameter (``legolink`` is ``legolink:16``). Everything that depends on what a policy does (the wire format in
 sglang_patches.link_hints, the chunk cache's routing and grafting, the frontend's availability
 checks, the CLI's help) reads the family's flags here, never its name. Adding a policy is one
 record in the table below plus the module that holds its algorithm.
@@ -75,9 +76,16 @@ class PolicyFamily:
     # Chunks are compiled and stored behind this many sink tokens (the model's BOS), whose KV
     # is never linked.
     sink_tokens: int = 0
-    # The prompt goes to the runtime in LegoLink's order (sglang_patches.legolink_layout): the
-    # first k tokens of every chunk move behind the chunks' rests and are computed.
+    # The prompt goes to the runtime reordered (sglang_patches.reordered_layout): the chunk
+    # tokens it recomputes (LegoLink's first k of every chunk, a selection's tokens) move behind
+    # the chunks' kept tokens and are computed.
     reordered_layout: bool = False
+    # The name may add ",K" after the parameter: the first K tokens of every chunk are recomputed
+    # as well (select:0.15,16).
+    takes_k: bool = False
+    # Recomputes the chunk tokens the question attends to most over the linked KV: the frontend
+    # first links the prompt as this family to measure that attention (rag_server/linking/selection.py).
+    scored_as: Optional[str] = None
     # Chunks are extend tokens whose cached KV is placed in the forward (sglang_patches.cacheblend)
     # instead of grafted into the tree as prefix.
     blends_chunks: bool = False
@@ -92,12 +100,14 @@ class PolicyFamily:
 
     @property
     def syntax(self) -> str:
-        """How the family is written: 'legolink[:K]', 'naive'."""
+        """How the family is written: 'legolink[:K]', 'naive', 'select[:R[,K]]'."""
         kind = self.param_kind
-        return f"{self.name}[:{kind.letter}]" if kind else self.name
+        if kind is None:
+            return self.name
+        return f"{self.name}[:{kind.letter}[,{K.letter}]]" if self.takes_k else f"{self.name}[:{kind.letter}]"
 
-    def policy(self, param: Union[int, float, None] = None) -> Policy:
-        return Policy(self, self.default_param if param is None else param)
+    def policy(self, param: Union[int, float, None] = None, k: int = 0) -> Policy:
+        return Policy(self, self.default_param if param is None else param, k if self.takes_k else 0)
 
 
 _FAMILIES = (
@@ -135,6 +145,18 @@ _FAMILIES = (
         param="k", default_param=16, reuses_chunks=True, position_masked=True, reordered_layout=True,
         repairs=True, unrepaired="legolink",
     ),
+    PolicyFamily(
+        "select", "naive, plus the fraction R of chunk tokens the question attends to most over naive's KV "
+        "(and the first K of every chunk) recomputed in context",
+        param="ratio", default_param=0.15, takes_k=True, reuses_chunks=True, position_masked=True,
+        reordered_layout=True, scored_as="naive",
+    ),
+    PolicyFamily(
+        "cacherepair+select", "cacherepair's repaired chunk KV, plus the fraction R of chunk tokens the question "
+        "attends to most over it (and the first K of every chunk) recomputed in context",
+        param="ratio", default_param=0.15, takes_k=True, reuses_chunks=True, position_masked=True,
+        reordered_layout=True, repairs=True, unrepaired="select", scored_as="cacherepair",
+    ),
 )
 POLICY_FAMILIES: dict[str, PolicyFamily] = {family.name: family for family in _FAMILIES}
 
@@ -143,11 +165,14 @@ POLICY_FAMILIES: dict[str, PolicyFamily] = {family.name: family for family in _F
 class Policy:
     family: PolicyFamily
     param: Union[int, float, None] = None
+    k: int = 0  # families that take_k: the first k tokens of every chunk recomputed as well
 
     @property
     def name(self) -> str:
-        """Canonical: 'legolink:16', 'cacheblend:0.15', 'naive'."""
-        return self.family.name if self.param is None else f"{self.family.name}:{self.param}"
+        """Canonical: 'legolink:16', 'cacheblend:0.15', 'naive', 'select:0.15,16'."""
+        if self.param is None:
+            return self.family.name
+        return f"{self.family.name}:{self.param}" + (f",{self.k}" if self.k else "")
 
 
 def parse_policy(name: str) -> Policy:
@@ -163,4 +188,8 @@ def parse_policy(name: str) -> Policy:
         if text:
             raise PolicyError(f"policy {base!r} takes no parameter")
         return family.policy()
-    return family.policy(kind.parse(base, text) if text else None)
+    text, comma, k_text = text.partition(",")
+    if comma and not family.takes_k:
+        raise PolicyError(f"policy {base!r} takes no ,{K.letter}")
+    k = K.parse(base, k_text) if comma else 0
+    return family.policy(kind.parse(base, text) if text else None, k)

@@ -14,16 +14,6 @@ from typing import Optional
 
 import torch
 
-from sglang_patches.forward_annotations import annotations_of
-
-
-def batch_annotations(forward_batch) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-    """Per batch index: the true position of every row entry, and the positions of the queries."""
-    annotations = annotations_of(forward_batch)
-    if annotations is None:
-        return {}, {}
-    return annotations.true_positions, annotations.query_positions
-
 
 def true_position_mask(row_positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
     """Each query sees the row entries whose true position is not after its own."""

@@ -4,8 +4,9 @@ The rule (cache transparency): two requests share a cached slot only if their po
 the same value for that slot in both. A slot's value depends on
 
 1. the tokens before it and how their KV was made: the tree path, so every earlier key entry;
-2. its own token and position: its key entry and its depth in the path (a prompt sent in
-   LegoLink's order runs at the positions its spans and k give: both are in the namespace);
+2. its own token and position: its key entry and its depth in the path (a prompt sent
+   reordered runs at the positions its chunk spans and recomputed runs give: both are in the
+   namespace);
 3. how it was made: computed in context, or grafted from a stored chunk. Every grafted token's
    entry carries GRAFTED; the first grafted token of each chunk is a digest (`segment_start`),
    so where one chunk ends and the next begins is part of the key, and the same tokens split
@@ -14,7 +15,8 @@ the same value for that slot in both. A slot's value depends on
    the path before it. The first grafted token's digest covers them:
    * causal families in the prompt's order (naive, legolink0): none beyond the path (legolink0's
      sink tokens, the model's BOS, are in the namespace);
-   * families sent in LegoLink's order: the chunk's first k tokens, which sit after the rests;
+   * families sent reordered: the chunk's recomputed tokens before it (LegoLink's first k, a
+     selection's tokens), which sit after every kept token;
    * families that repair: the whole chunk (the repair network attends both ways inside a
      chunk) and the checkpoint (its digest is in the namespace);
 5. the policy family and its parameter: the namespace (`namespace_of`).
@@ -64,17 +66,18 @@ def prompt_key(prompt: Sequence[int], segments: Sequence[Segment], whole_chunk: 
     return key
 
 
-def namespace_of(family_name: str, *, sink_token: Optional[int] = None, k: Optional[int] = None,
-                 chunks: Sequence[tuple[int, int]] = (), repair_digest: Optional[str] = None) -> str:
+def namespace_of(family_name: str, *, sink_token: Optional[int] = None, chunks: Sequence[tuple[int, int]] = (),
+                 recomputed: Optional[Sequence[tuple[int, int]]] = None, repair_digest: Optional[str] = None) -> str:
     """The tree namespace of a family's linked prompts: no other family's request matches them.
-    `k` and `chunks` for a prompt sent in LegoLink's order (its positions depend on them),
-    `sink_token` for families that compile behind sinks, `repair_digest` for families that repair."""
+    `recomputed` (the runs a reordered prompt recomputes) and `chunks` for a prompt sent
+    reordered (its positions depend on both), `sink_token` for families that compile behind
+    sinks, `repair_digest` for families that repair."""
     parts = [f"{NAMESPACE_PREFIX}{family_name}"]
     if sink_token is not None:
         parts.append(f"sink{sink_token}")
-    if k is not None:
-        spans = ",".join(f"{start}-{end}" for start, end in chunks)
-        parts += [f"k{k}", hashlib.sha256(spans.encode()).hexdigest()[:16]]
+    if recomputed is not None:
+        spans = ";".join(",".join(f"{start}-{end}" for start, end in runs) for runs in (chunks, recomputed))
+        parts.append(hashlib.sha256(spans.encode()).hexdigest()[:16])
     if repair_digest is not None:
         parts.append(f"repair{repair_digest[:16]}")
     return ":".join(parts)

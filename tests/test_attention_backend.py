@@ -12,6 +12,7 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 
 from sglang_patches.attention import (DecodeRows, QueryOnlyTorchNativeBackend, attend_decode, gather_kv,
                                       offset_causal_mask)
+from sglang_patches.forward_annotations import ForwardAnnotations
 
 
 HEADS, KV_HEADS, DIM = 6, 2, 16
@@ -174,7 +175,7 @@ def test_extend_forgets_its_request_slots_and_a_new_decode_step_keeps_only_its_o
     monkeypatch.setattr(TorchNativeAttnBackend, "forward_decode", lambda self, *a, **kw: self._decode_layer)
     import sglang_patches.attention as attention
 
-    monkeypatch.setattr(attention, "batch_annotations", lambda batch: ({}, {}))
+    monkeypatch.setattr(attention, "annotations_of", lambda batch: None)
     backend = object.__new__(QueryOnlyTorchNativeBackend)
     k_cache, v_cache, _ = scattered_pool([1], 64, torch.int64, torch.Generator().manual_seed(6))
     for request_slot in (0, 1, 2):
@@ -219,7 +220,7 @@ def test_flashinfer_position_masked_extend_equals_picrag_native():
     query_positions = {1: torch.tensor([3, 11, 12, 20, 29])}
 
     native = object.__new__(QueryOnlyTorchNativeBackend)
-    native._true_positions, native._query_positions = true_positions, query_positions
+    native._annotations = ForwardAnnotations(true_positions=true_positions, query_positions=query_positions)
     expected = torch.zeros_like(query)
     native._run_sdpa_forward_extend(
         query, expected, k_cache, v_cache, req_to_token, torch.arange(3), torch.tensor(seq_lens),
@@ -265,7 +266,7 @@ def test_flashinfer_backend_writes_the_extend_kv_then_masks_annotated_batches(mo
     from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
     from sglang_patches import flashinfer_attention
-    from sglang_patches.forward_annotations import ATTR, ForwardAnnotations
+    from sglang_patches.forward_annotations import ATTR
 
     gen = torch.Generator().manual_seed(5)
     seq_lens, extend_lens = [30, 12], [6, 12]
@@ -300,7 +301,7 @@ def test_flashinfer_backend_writes_the_extend_kv_then_masks_annotated_batches(mo
     k_cache[new_slots], v_cache[new_slots] = fresh_k, fresh_v
     torch.testing.assert_close(backend.token_to_kv_pool.k_cache, k_cache)
     native = object.__new__(QueryOnlyTorchNativeBackend)
-    native._true_positions, native._query_positions = true_positions, {}
+    native._annotations = ForwardAnnotations(true_positions=true_positions)
     expected = torch.zeros_like(query)
     native._run_sdpa_forward_extend(
         query, expected, k_cache, v_cache, req_to_token, torch.arange(2), torch.tensor(seq_lens),

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sglang_patches.legolink_layout import legolink_layout
+from sglang_patches.reordered_layout import Fragment, first_k_runs, merge_runs, reordered_layout
 from sglang_patches.link_hints import LinkHintError, LinkRequest
 from sglang_patches.policies import parse_policy
 from tests.chunk_requests import assert_same_answer, first_token_top, passages_of, picrag_meta, question_tokens, run
@@ -15,12 +15,22 @@ from tests.chunk_requests import assert_same_answer, first_token_top, passages_o
 
 def test_layout_moves_link_tokens_behind_the_rests():
     chunks = [(3, 8), (8, 10), (10, 16)]
-    lay = legolink_layout(20, chunks, k=3)
+    lay = reordered_layout(20, chunks, first_k_runs(chunks, 3))
     # head, rests (chunk 2 has none: k covers it), link tokens, question
     assert lay.order == [0, 1, 2, 6, 7, 13, 14, 15, 3, 4, 5, 8, 9, 10, 11, 12, 16, 17, 18, 19]
-    assert lay.rests == [(3, 5), (5, 5), (5, 8)]
+    assert lay.fragments == [[Fragment(3, 5, 3)], [], [Fragment(5, 8, 3)]]
     tokens = list(range(100, 120))
     assert lay.restore(lay.reorder(tokens)) == tokens
+
+
+def test_a_selection_splits_chunks_into_kept_runs():
+    chunks = [(2, 8), (8, 12)]
+    runs = merge_runs([(2, 3), (5, 6), (6, 7), (9, 12), (11, 12)])
+    assert runs == [(2, 3), (5, 7), (9, 12)]
+    lay = reordered_layout(14, chunks, runs)
+    # head, kept runs 3-4 and 7 of chunk 1 and 8 of chunk 2, recomputed 2, 5, 6, 9, 10, 11, question
+    assert lay.order == [0, 1, 3, 4, 7, 8, 2, 5, 6, 9, 10, 11, 12, 13]
+    assert lay.fragments == [[Fragment(2, 4, 1), Fragment(4, 5, 5)], [Fragment(5, 6, 0)]]
 
 
 def test_policy_names():
@@ -112,7 +122,8 @@ def test_link_tokens_of_the_first_chunk_see_exactly_what_full_prefill_sees(picra
     prompt = layout.build(row["question"], passages_of(row, [0, 1, 2]))
     k = 6
     head = len(layout.head_ids)
-    first_link_row = legolink_layout(len(prompt.input_ids), list(prompt.chunks), k).rests[-1][1]
+    chunks = list(prompt.chunks)
+    first_link_row = reordered_layout(len(prompt.input_ids), chunks, first_k_runs(chunks, k)).fragments[-1][-1].end
     with picrag_server.client() as client:
         full = run(client, prompt, "full", top=True, max_new_tokens=1, logprob_start_len=head + 1)
         lego = run(client, prompt, f"legolink:{k}", top=True, max_new_tokens=1,

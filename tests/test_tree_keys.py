@@ -11,50 +11,63 @@ first-K tokens, and CacheRepair chunks that start alike and end differently.
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_patches.link_hints import LinkRequest, runtime_request
 from sglang_patches.link_plan import LinkPlan, build_plan
+from sglang_patches.reordered_layout import merge_runs
 from sglang_patches.request_guard import RequestShape, admitted_link
 from tests.engine_routing import BOS
 from tests.test_cache_integrity import ENGINE
 
-# Families whose linked prompts go into the tree, with the parameters drawn for them.
+# Families whose linked prompts go into the tree, with the parameters drawn for them (the
+# selecting ones also recompute drawn positions).
 POLICIES = ("naive", "legolink0", "cacherepair", "legolink:0", "legolink:1", "legolink:2",
-            "cacherepair+legolink:1", "cacherepair+legolink:2")
+            "cacherepair+legolink:1", "cacherepair+legolink:2", "select:0.5", "select:0.5,1",
+            "cacherepair+select:0.5", "cacherepair+select:0.5,2")
 DIGESTS = ("a" * 64, "b" * 64)
 
 
-def admitted_plan(prompt: list[int], policy: str, chunks: list[tuple[int, int]], repair_digest: str) -> LinkPlan:
+def linked(policy: str, chunks: list[tuple[int, int]], recompute: tuple = ()) -> LinkRequest:
+    link = LinkRequest.of(policy, chunks, BOS)
+    return dataclasses.replace(link, recompute=recompute) if link.family.scored_as else link
+
+
+def admitted_plan(prompt: list[int], policy: str, chunks: list[tuple[int, int]], repair_digest: str,
+                  recompute: tuple = ()) -> LinkPlan:
     """The plan the engine builds for `prompt` linked as the frontend sends it."""
-    ids, hints = runtime_request(prompt, LinkRequest.of(policy, chunks, BOS))
+    ids, hints = runtime_request(prompt, linked(policy, chunks, recompute))
     link = admitted_link(hints, RequestShape(len(ids), 8, False), ENGINE)
     return build_plan(ids, link, repair_digest if link.family.repairs else None)
 
 
 def slot_dependencies(prompt: list[int], policy: str, chunks: list[tuple[int, int]],
-                      repair_digest: str) -> list[tuple]:
+                      repair_digest: str, recompute: tuple = ()) -> list[tuple]:
     """What each slot's KV is a function of, beyond the slots before it in the order sent,
     written from the policies' definitions (not from the key code)."""
-    link = LinkRequest.of(policy, chunks, BOS)
+    link = linked(policy, chunks, recompute)
     family = link.family
+    # Recomputed in context: LegoLink's first k of every chunk, and a selection's positions.
+    recomputed = set()
+    if family.reordered_layout:
+        recomputed = {p for start, end in chunks for p in range(start, min(start + link.k, end))}
+        recomputed |= {p for start, end in link.recompute for p in range(start, end)}
     order = list(range(len(prompt)))
     if family.reordered_layout and chunks:
-        from sglang_patches.legolink_layout import legolink_layout
-
-        order = legolink_layout(len(prompt), chunks, link.k).order
+        # Kept chunk tokens first, then the recomputed ones, then the question.
+        head = list(range(chunks[0][0]))
+        kept = [p for start, end in chunks for p in range(start, end) if p not in recomputed]
+        order = head + kept + sorted(recomputed) + list(range(chunks[-1][1], len(prompt)))
     chunk_of = {position: index for index, (start, end) in enumerate(chunks) for position in range(start, end)}
-    grafted_from = {}  # true position -> the chunk its KV is grafted from, if it is
-    for index, (start, end) in enumerate(chunks):
-        first_computed = start + link.k if family.reordered_layout else start
-        for position in range(max(first_computed, start), end):
-            grafted_from[position] = index
+    grafted_from = {position: chunk for position, chunk in chunk_of.items() if position not in recomputed}
     dependencies = []
     for position in order:
         # The namespace-level facts: family and parameter, and where a reordered prompt's
-        # tokens run (its spans and k).
-        scope = (family.name, link.k if family.reordered_layout else None,
+        # tokens run (its spans and what it recomputes).
+        scope = (family.name, tuple(sorted(recomputed)) if family.reordered_layout else None,
                  tuple(chunks) if family.reordered_layout else None)
         token = prompt[position]
         index = grafted_from.get(position)
@@ -84,7 +97,10 @@ def linked_prompts(draw):
     cuts = sorted(draw(st.sets(st.integers(head + 1, length - 2), min_size=1, max_size=3)))
     bounds = [head, *cuts]
     chunks = list(zip(bounds, bounds[1:])) or [(head, head + 1)]
-    return prompt, chunks
+    # Positions a selecting policy recomputes: any chunk tokens, as runs inside chunks.
+    chosen = draw(st.sets(st.sampled_from([p for start, end in chunks for p in range(start, end)])))
+    recompute = tuple(run for start, end in chunks for run in merge_runs([(p, p + 1) for p in chosen if start <= p < end]))
+    return prompt, chunks, recompute
 
 
 def _shared_prefix(a, b) -> int:
@@ -99,9 +115,9 @@ def _shared_prefix(a, b) -> int:
        st.sampled_from(POLICIES)), digests=st.tuples(st.sampled_from(DIGESTS), st.sampled_from(DIGESTS)))
 def test_equal_keys_mean_equal_dependencies(first, second, policies, digests):
     plans, dependencies = [], []
-    for (prompt, chunks), policy, digest in zip((first, second), policies, digests):
-        plans.append(admitted_plan(prompt, policy, chunks, digest))
-        dependencies.append(slot_dependencies(prompt, policy, chunks, digest))
+    for (prompt, chunks, recompute), policy, digest in zip((first, second), policies, digests):
+        plans.append(admitted_plan(prompt, policy, chunks, digest, recompute))
+        dependencies.append(slot_dependencies(prompt, policy, chunks, digest, recompute))
     a, b = plans
     if a.namespace != b.namespace:
         return

@@ -34,6 +34,9 @@ import httpx
 from rag_server.linking import sse
 from rag_server.linking.chunk_compiler import ROUTING_KEY_HEADER, ChunkCompiler, CompileError, passage_set_key
 from rag_server.linking.reuse_gate import ReuseGate
+from rag_server.linking.selection import selected_runs
+from sglang_patches.context_attention import META_KEY as ATTENTION_KEY
+from sglang_patches.context_attention import decode as decode_attention
 from sglang_patches.link_hints import MISS_REFUSAL, MISS_REFUSAL_STATUS, LinkRequest, runtime_request
 
 logger = logging.getLogger(__name__)
@@ -199,6 +202,8 @@ class LinkPipeline:
         `link` says, its chunks compiled first; relinked when chunks are missing at link time.
         `headers` and `params` go with every link request."""
         link = self.gate.link(link)
+        if link.family.scored_as and link.chunks and link.ratio > 0 and not link.recompute:
+            link = await self._select(input_ids, link, headers, params)
         route = passage_set_key(input_ids, link)
         if route:  # behind the gateway, the compile and the link go to the replica of the passage set
             headers = {**headers, ROUTING_KEY_HEADER: route}
@@ -226,6 +231,23 @@ class LinkPipeline:
                            else f"{linked.misses} chunk(s) not in the store at link time", attempt + 1)
             self.compiler.note_eviction()
         raise AssertionError("the last attempt always answers")
+
+    async def _select(self, input_ids: list[int], link: LinkRequest, headers: Mapping[str, str],
+                      params: Any) -> LinkRequest:
+        """`link` with the tokens it recomputes chosen by the question's attention over its base
+        policy's linked KV, measured by one prefill-only link of that policy (selection.py)."""
+        probe = dataclasses.replace(LinkRequest.of(link.family.scored_as, link.chunks), report_attention=True)
+        measured = await self.generate(input_ids, probe, {"sampling_params": {"max_new_tokens": 0, "temperature": 0}},
+                                       headers, params)
+        if measured.response.status_code != 200:
+            raise GenerationError(f"measuring the question's attention failed: {measured.head[:300]!r}",
+                                  measured.response.status_code if 400 <= measured.response.status_code < 500
+                                  else 502)
+        details = (json.loads(measured.head).get("meta_info") or {}).get("cached_tokens_details") or {}
+        if ATTENTION_KEY not in details:
+            raise GenerationError("the runtime reported no attention for a selecting link")
+        scores = decode_attention(details[ATTENTION_KEY])
+        return dataclasses.replace(link, recompute=selected_runs(scores, link.chunks, link.k, link.ratio))
 
     async def _compile(self, input_ids: list[int], link: LinkRequest, skip_known: bool, route: str | None) -> float:
         started = time.perf_counter()

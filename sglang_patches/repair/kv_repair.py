@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -55,21 +55,30 @@ def load_engine_repairer(model_path: Path):
 
 
 @dataclass
+class RepairPart:
+    """A grafted run of a chunk: its tokens [first, first + count)."""
+
+    first: int
+    count: int
+    new_slots: Optional[torch.Tensor] = None  # where the run lives
+
+
+@dataclass
 class RepairSpan:
     """One chunk of the request as the repair network sees it."""
 
     stored_slots: torch.Tensor  # the stored chunk's slots (positions 0..n-1)
     token_ids: list[int]
     position: int  # prompt position of the chunk's first token
-    first: int = 0  # the grafted part of the chunk: tokens [first, first + count)
-    count: int = 0  # 0: context only (already on the prompt's path)
-    new_slots: Optional[torch.Tensor] = None  # where the grafted part lives
+    # Its grafted runs, written with the repaired KV (none: context only, e.g. already on the
+    # prompt's path; several where a reordered layout recomputes tokens between them).
+    parts: list[RepairPart] = field(default_factory=list)
 
 
 @torch.no_grad()
 def repair_spans(repairer, kv_pool, shifter, spans: list[RepairSpan]) -> int:
     """Add the network's residual to the grafted parts of `spans`; returns tokens repaired."""
-    if not any(span.count for span in spans):
+    if not any(span.parts for span in spans):
         return 0
     layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)
     first_keys = kv_pool.get_key_buffer(kv_pool.start_layer)
@@ -88,10 +97,10 @@ def repair_spans(repairer, kv_pool, shifter, spans: list[RepairSpan]) -> int:
     rows, dst, positions = [], [], []
     start = 0
     for span in spans:
-        if span.count:
-            rows.append(torch.arange(start + span.first, start + span.first + span.count))
-            dst.append(span.new_slots.to(torch.int64))
-            positions.append(torch.arange(span.position + span.first, span.position + span.first + span.count))
+        for part in span.parts:
+            rows.append(torch.arange(start + part.first, start + part.first + part.count))
+            dst.append(part.new_slots.to(torch.int64))
+            positions.append(torch.arange(span.position + part.first, span.position + part.first + part.count))
         start += len(span.stored_slots)
     rows_t = torch.cat(rows).to(res_k.device)
     dst_t = torch.cat(dst).to(first_keys.device)
