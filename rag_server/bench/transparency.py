@@ -43,9 +43,11 @@ from sglang_patches.policies import parse_policy
 
 logger = logging.getLogger(__name__)
 # Log-probability rounding allowed between two answers of the same request. Measured on
-# SmolLM2 (CPU, fp32): legitimate sharing moves first-token log-probabilities by at most about
-# 1e-5, violations by 1e-2 and more; the report's `deviation` section shows both sides of a run.
-TOLERANCE = 1e-3
+# SmolLM2 (CPU, fp32): legitimate sharing (a stored causal chunk prefix, a prompt prefix of
+# another request) moved first-token log-probabilities by at most 3.3e-5 over the whole
+# vocabulary (2.9e-6 over the top 5); the smallest violation seen moved them by 1.1e-3, most by
+# 1e-2 and more. The report's `deviation` section shows both sides of every run.
+TOLERANCE = 1e-4
 SHRINK_TRIALS = 12  # replays spent on making one violation's attacker sequence minimal
 
 

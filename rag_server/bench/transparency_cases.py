@@ -49,9 +49,12 @@ def _same_start(victim: Request, attackers: list[Request]) -> bool:
 def likely_case(violation: Violation) -> Optional[str]:
     victim = violation.victim
     # A batch through the frontend is forwarded as it is: unchecked, and its chunks not compiled.
-    if violation.check == "form" or victim.client_layout or (victim.batch and victim.route == GENERATE):
+    if victim.client_layout or (victim.batch and victim.route == GENERATE):
         return BATCH_HINTS
     attackers = violation.minimal if violation.minimal is not None else violation.preceding
+    if violation.check == "form":
+        # On the runtime, a batch's prompts are each other's attackers.
+        victim, attackers = violation.preceding[0], victim.singles()
     if any(a.client_layout and a.batch for a in attackers):
         return BATCH_HINTS
     same_policy = [a for a in attackers if a.policy == victim.policy]
