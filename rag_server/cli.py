@@ -70,7 +70,7 @@ def _byte_size(text: str) -> int:
 
 
 def _policy_name(text: str) -> str:
-    from rag_server.service.rag_service import NamedPolicy
+    from rag_server.linking.policy_resolver import NamedPolicy
     from sglang_patches.policies import PolicyError
 
     try:
@@ -91,11 +91,9 @@ def _serve(args: argparse.Namespace) -> int:
     from rag_server.launch.runtime import RuntimeConfig, SGLangRuntime
 
     from sglang_patches.repair.checkpoint import RepairCheckpointError
-    from rag_server.linking.policy_availability import default_policy, unavailable_policies
-    from rag_server.service.rag_service import DEFAULT_POLICIES
+    from rag_server.linking.policy_resolver import PolicyResolver, PolicyUnavailable, engine_refusals
     from rag_server.launch.repair_checkpoint import choose_repair_checkpoint
     from rag_server.service.quality import QualitySettings
-    from rag_server.service.rag_service import NamedPolicy
     from rag_server.service.shadow import ShadowSettings
     from rag_server.launch.selfcheck import run_self_check
     from rag_server.linking.reuse_gate import ReuseGate
@@ -130,12 +128,11 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"picrag serve: error: {exc}", file=sys.stderr)
         return 2
 
-    unavailable = unavailable_policies(runtime.config.attention_backend, repair_unavailable)
-    policy = default_policy(args.default_policy, DEFAULT_POLICIES, unavailable)
-    family = NamedPolicy.parse(policy).family.name
-    if family in unavailable:
-        print(f"picrag serve: error: --default-policy {policy} is unavailable: "
-              f"{unavailable[family]}", file=sys.stderr)
+    try:
+        policies = PolicyResolver.start(args.default_policy,
+                                        engine_refusals(runtime.config.attention_backend, repair_unavailable))
+    except PolicyUnavailable as exc:
+        print(f"picrag serve: error: {exc}", file=sys.stderr)
         return 2
 
     def terminate(signum, _frame):
@@ -156,21 +153,21 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         runtime.start(timeout_s=args.start_timeout)
         gate = ReuseGate() if args.no_selfcheck else ReuseGate(
-            run_self_check(runtime.url, model_path, unavailable), args.on_selfcheck_failure)
+            run_self_check(runtime.url, model_path, policies.unavailable), args.on_selfcheck_failure)
         if args.no_selfcheck:
             logger.info("start-up self-check skipped (--no-selfcheck): chunk reuse is served unchecked")
-        elif gate.refusal:
+        checked = policies.gated(gate)
+        if gate.refusal:
             logger.warning("chunk-reusing policies %s: %s", gate.as_json()["reuse"], gate.refusal)
-            if gate.default_policy(policy) != policy:
+            if checked.default != policies.default:
                 logger.warning("requests that name no policy are served as %s, not %s",
-                               gate.default_policy(policy), policy)
+                               checked.default.name, policies.default.name)
+        policies = checked
         logger.info("picrag frontend listening on http://%s:%d (runtime %s)", args.host, args.port, runtime.url)
         # Only of a runtime it started itself: behind the gateway, replicas are watched per process.
         watched = isinstance(runtime, SGLangRuntime) and args.watchdog_timeout > 0
         watchdog_timeout = args.watchdog_timeout if watched else None
-        app = create_app(runtime.url, model_path=model_path, index_dir=index_dir,
-                         default_policy=policy,
-                         unavailable_policies=unavailable,
+        app = create_app(runtime.url, model_path=model_path, index_dir=index_dir, policies=policies,
                          api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                          admin_api_key=args.admin_api_key or os.environ.get(ADMIN_API_KEY_ENV) or None,
                          cors_origins=args.cors_origin, max_inflight=args.max_inflight,
@@ -180,7 +177,7 @@ def _serve(args: argparse.Namespace) -> int:
                          health_interval_s=args.health_interval,
                          quality=QualitySettings(args.quality_target, args.calibration, repair_checkpoint,
                                                  ShadowSettings(rate=args.shadow_rate)),
-                         reuse_gate=gate, pass_unlisted_fields=args.pass_unlisted_fields,
+                         pass_unlisted_fields=args.pass_unlisted_fields,
                          client_idle_timeout_s=args.client_idle_timeout, watchdog_timeout_s=watchdog_timeout,
                          # Off the event loop: stopping the runtime waits for its processes.
                          on_stall=lambda reason: threading.Thread(target=give_up, args=(reason,)).start())
@@ -239,7 +236,7 @@ def _model_prepare(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from sglang_patches.model_store import DEFAULT_PRESET, PRESETS
-    from rag_server.service.rag_service import DEFAULT_POLICY
+    from rag_server.linking.policy_resolver import AUTO, AUTO_SUMMARY, DEFAULT_POLICY
     from sglang_patches.policies import POLICY_FAMILIES
 
     parser = argparse.ArgumentParser(
@@ -332,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
                        f"{DEFAULT_POLICY}; without a CacheRepair checkpoint for the model legolink, and naive "
                        "where the attention backend cannot mask by position): "
                        + "; ".join(f"{f.syntax}: {f.summary}" for f in POLICY_FAMILIES.values())
-                       + "; auto: per request, the cheapest policy within --quality-target")
+                       + f"; {AUTO}: {AUTO_SUMMARY} (--quality-target), per request")
     serve.add_argument("--api-key", default=None, metavar="KEY",
                        help=f"require `Authorization: Bearer KEY` (or `X-API-Key: KEY`) on every route "
                        f"but /health (default: ${API_KEY_ENV}, which keeps the key out of `ps`; "

@@ -4,7 +4,7 @@ Families that compute tokens inside the prompt (their `position_masked` flag in
 sglang_patches.policies: LegoLink with k > 0, CacheBlend) need attention masked by true
 position. picrag's backends do that; on any other backend such a request would attend to later
 tokens, so the engine refuses it (sglang_patches.request_guard) and the frontend reports the
-policy as unavailable (rag_server/linking/policy_availability.py), both with this reason.
+policy as unavailable (rag_server/linking/policy_resolver.py), both with this reason.
 """
 
 from __future__ import annotations

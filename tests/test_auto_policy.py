@@ -16,7 +16,8 @@ from rag_server.service.auto_policy import (CALIBRATION_DIR, AutoPolicy, Calibra
 from rag_server.service.context_window import ContextLimits, ScoredPassage
 from rag_server.service.first_token_quality import QualityRecord, Sample
 from rag_server.service.quality import QualityControl, QualitySettings
-from rag_server.service.rag_service import NamedPolicy, RagRequest, RagService
+from rag_server.linking.policy_resolver import NamedPolicy, PolicyResolver
+from rag_server.service.rag_service import RagRequest, RagService
 from rag_server.launch.repair_checkpoint import SHIPPED_DIR
 
 TABLE = CalibrationTable(
@@ -144,7 +145,7 @@ def test_rag_service_serves_auto_with_the_chosen_policy_and_says_why(tokenizer, 
     def plan(target: float, unavailable=None):
         quality = QualityControl.open(QualitySettings(target=target, calibration=path), None, None)
         service = RagService(tokenizer, pipeline=None, limits=ContextLimits(8192, 8186), quality=quality,
-                             unavailable_policies=unavailable)
+                             policies=PolicyResolver.start(refusals=unavailable))
         return asyncio.run(service.plan(RagRequest("Which letter?", NamedPolicy.parse("auto"), 8, documents=PASSAGES)))
 
     short = plan(math.inf)
@@ -266,19 +267,19 @@ def test_speed_order_takes_out_each_runs_prompt_length():
 
 def test_auto_never_picks_a_policy_the_self_check_refuses(tokenizer, tmp_path):
     from rag_server.linking.reuse_gate import FAILED, Check, ReuseGate, SelfCheckReport
-    from rag_server.service.auto_policy import never_picked
 
-    refused = never_picked({"cacheblend": "no masks"}, "the start-up self-check failed (rotation)")
+    gate = ReuseGate(SelfCheckReport((Check("rotation", FAILED, "keys differ"),), 0.1), "prefix")
+    refused = PolicyResolver.start(refusals={"cacheblend": "no masks"}, gate=gate).auto_excluded
     assert refused["cacheblend"] == "no masks" and refused["naive"].startswith("the start-up self-check failed")
     assert "full" not in refused and "prefix" not in refused
-    assert never_picked({"cacheblend": "no masks"}, None) == {"cacheblend": "no masks"}
+    assert PolicyResolver.start(refusals={"cacheblend": "no masks"}).auto_excluded == {"cacheblend": "no masks"}
     assert AutoPolicy(math.inf, TABLE).choose(300, refused).policy.name == "full"
 
     path = tmp_path / "table.json"
     path.write_text(json.dumps(TABLE.as_json()))
     quality = QualityControl.open(QualitySettings(target=math.inf, calibration=path), None, None)
-    gate = ReuseGate(SelfCheckReport((Check("rotation", FAILED, "keys differ"),), 0.1), "prefix")
-    service = RagService(tokenizer, pipeline=None, limits=ContextLimits(8192, 8186), quality=quality, reuse_gate=gate)
+    service = RagService(tokenizer, pipeline=None, limits=ContextLimits(8192, 8186), quality=quality,
+                         policies=PolicyResolver.start(gate=gate))
     plan = asyncio.run(service.plan(RagRequest("Which letter?", NamedPolicy.parse("auto"), 8, documents=PASSAGES)))
     # full, chosen by auto itself: not a reuse policy the gate then serves as something else.
     assert plan.request.policy.name == "full" and plan.warnings == []

@@ -7,7 +7,7 @@ import pytest
 
 from rag_server.api.chunk_markers import strip_markers, tokenize_marked
 from rag_server.dsl import chunk
-from rag_server.service.rag_service import DEFAULT_POLICY
+from rag_server.linking.policy_resolver import DEFAULT_POLICY
 from sglang_patches.link_hints import link_hints
 from sglang_patches.policies import POLICY_FAMILIES
 

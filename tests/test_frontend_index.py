@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from rag_server.bench.batch_qa import AskOptions, run_batch
-from rag_server.service.rag_service import DEFAULT_POLICY
+from rag_server.linking.policy_resolver import DEFAULT_POLICY
 from tests.inprocess_frontend import frontend
 
 pytestmark = pytest.mark.server

@@ -14,7 +14,8 @@ from rag_server.api.chunk_markers import (CHUNK_BEGIN, CHUNK_END, Segment, link_
 from rag_server.cli import build_parser
 from rag_server.service.context_window import ContextLimits, PromptTooLong, ScoredPassage, fit_passages
 from retrieval.prompt_layout import PromptLayout, PromptPassage, passage_text
-from rag_server.service.rag_service import NamedPolicy, RagRequest, RagRequestError, RagService, keep_best
+from rag_server.linking.policy_resolver import NamedPolicy, PolicyResolver
+from rag_server.service.rag_service import RagRequest, RagRequestError, RagService, keep_best
 from sglang_patches.link_hints import parse_link_request
 from sglang_patches.policies import parse_policy
 
@@ -175,8 +176,8 @@ def test_cli_serve_and_ask_options():
 
 
 def test_a_policy_the_server_cannot_run_is_refused_with_the_reason(tokenizer):
-    service = RagService(tokenizer, pipeline=None, limits=ContextLimits(8192, 8186),
-                         unavailable_policies={"cacherepair": "no CacheRepair checkpoint for model x"})
+    service = RagService(tokenizer, pipeline=None, limits=ContextLimits(8192, 8186), policies=PolicyResolver.start(
+        "legolink", {"cacherepair": "no CacheRepair checkpoint for model x"}))
     with pytest.raises(RagRequestError, match="'cacherepair' is unavailable on this server: no CacheRepair checkpoint"):
         asyncio.run(service.plan(RagRequest(QUESTION, NamedPolicy.parse("cacherepair"), 8, documents=PASSAGES)))
     assert asyncio.run(service.plan(RagRequest(QUESTION, NamedPolicy.parse("legolink:4"), 8, documents=PASSAGES))).passages
@@ -189,18 +190,24 @@ def test_cli_policy_names_take_parameters():
 
 
 def test_position_masked_policies_need_a_picrag_attention_backend():
-    from rag_server.linking.policy_availability import default_policy, unavailable_policies
+    from rag_server.linking.policy_resolver import DEFAULT_POLICIES, PolicyUnavailable, engine_refusals
 
-    assert unavailable_policies("picrag_native", None) == {}
-    assert unavailable_policies("picrag_flashinfer", None) == {}
-    on_gpu = unavailable_policies("flashinfer", "no checkpoint")
-    assert set(on_gpu) == {"legolink", "cacheblend", "cacherepair", "cacherepair+legolink"}
+    assert engine_refusals("picrag_native", None) == {}
+    assert engine_refusals("picrag_flashinfer", None) == {}
+    on_gpu = engine_refusals("flashinfer", "no checkpoint")
+    assert set(on_gpu) == {"legolink", "cacheblend", "cacherepair", "cacherepair+legolink", "select",
+                           "cacherepair+select"}
     assert "'flashinfer'" in on_gpu["legolink"] and "no checkpoint" in on_gpu["cacherepair+legolink"]
-    chain = ("cacherepair", "legolink", "naive")
-    assert default_policy(None, chain, on_gpu) == "naive"
-    assert default_policy(None, chain, unavailable_policies("picrag_native", "no checkpoint")) == "legolink"
-    assert default_policy(None, chain, {}) == "cacherepair"
-    assert default_policy("full", chain, on_gpu) == "full"
+    assert DEFAULT_POLICIES == ("cacherepair", "legolink", "naive")
+    assert PolicyResolver.start(None, on_gpu).default.name == "naive"
+    assert PolicyResolver.start(None, engine_refusals("picrag_native", "no checkpoint")).default.name == "legolink"
+    assert PolicyResolver.start(None, {}).default.name == "cacherepair"
+    assert PolicyResolver.start("full", on_gpu).default.name == "full"
+    with pytest.raises(PolicyUnavailable, match="default policy 'legolink:4' is unavailable: it needs attention"):
+        PolicyResolver.start("legolink:4", on_gpu)
+    menu = {entry["name"]: entry for entry in PolicyResolver.start(None, on_gpu).menu()}
+    assert not menu["legolink"]["available"] and menu["legolink"]["reason"] == on_gpu["legolink"]
+    assert menu["naive"]["available"] and menu["auto"]["available"]
 
 
 def test_relink_reads_chunk_misses_from_the_first_event_and_from_whole_answers():

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from rag_server.launch.selfcheck import NEW_TOKENS, TOLERANCES, difference, self_check
+from rag_server.linking.policy_resolver import NamedPolicy, PolicyResolver
 from rag_server.linking.reuse_gate import FAILED, PASSED, SKIPPED, Check, ReuseGate, SelfCheckReport
 from sglang_patches.link_hints import LinkRequest, parse_link_request
-from sglang_patches.policies import parse_policy
+from sglang_patches.policies import PolicyError, parse_policy
 from sglang_patches.rope_shift import KeyShifter
 from sglang_patches.selfcheck import SERVER_INFO_KEY, check_rope_shift, rope_shifter
 
@@ -214,23 +215,28 @@ FAILED_REPORT = SelfCheckReport((Check("rope_shift", FAILED, "keys differ"),), 0
 def test_a_failed_check_serves_reuse_as_the_chosen_fallback():
     for action in ("prefix", "full"):
         gate = ReuseGate(FAILED_REPORT, action)
-        assert gate.served(parse_policy("legolink:4")).name == action
-        assert gate.served(parse_policy("naive")).name == action
-        assert gate.served(parse_policy("full")).name == "full"  # reuses nothing: as asked
-        link = gate.link(LinkRequest.of("legolink:4", [(3, 9)]))
+        resolver = PolicyResolver.start("legolink", gate=gate)
+        assert resolver.served(NamedPolicy.parse("legolink:4")).policy.name == action
+        assert resolver.served(NamedPolicy.parse("naive")).policy.name == action
+        assert resolver.served(NamedPolicy.parse("full")).policy.name == "full"  # reuses nothing: as asked
+        link = resolver.link(LinkRequest.of("legolink:4", [(3, 9)]))
         assert (link.policy, link.chunks, link.k) == (action, ((3, 9),), 0)
-        assert gate.unavailable() == {} and gate.default_policy("legolink") == "legolink"
+        assert resolver.unavailable == {} and resolver.default.name == "legolink"
         assert gate.as_json()["reuse"] == f"served as {action}"
     assert ReuseGate(FAILED_REPORT).on_failure == "prefix"
 
 
 def test_refuse_makes_every_reusing_family_unavailable_with_the_reason():
     gate = ReuseGate(FAILED_REPORT, "refuse")
-    unavailable = gate.unavailable()
-    assert set(unavailable) == {"naive", "legolink", "legolink0", "cacheblend", "cacherepair", "cacherepair+legolink"}
+    resolver = PolicyResolver.start("legolink", gate=gate)
+    unavailable = resolver.unavailable
+    assert set(unavailable) == {"naive", "legolink", "legolink0", "cacheblend", "cacherepair", "cacherepair+legolink",
+                                "select", "cacherepair+select"}
     assert unavailable["naive"] == "the start-up self-check failed (rope_shift: keys differ)"
-    assert gate.served(parse_policy("naive")).name == "naive"  # refused upstream, never rewritten
-    assert gate.default_policy("legolink") == "prefix" and gate.default_policy("full") == "full"
+    with pytest.raises(PolicyError, match="'naive' is unavailable on this server: the start-up self-check failed"):
+        resolver.check(parse_policy("naive").family)
+    assert resolver.served(NamedPolicy.parse("naive")).policy.name == "naive"  # refused upstream, never rewritten
+    assert resolver.default.name == "prefix" and PolicyResolver.start("full", gate=gate).default.name == "full"
     assert gate.as_json() == {"status": FAILED, "reuse": "refused", "seconds": 0.1,
                               "checks": [{"name": "rope_shift", "status": FAILED, "detail": "keys differ"}]}
 
@@ -239,7 +245,8 @@ def test_a_passed_or_skipped_check_changes_nothing():
     passed = SelfCheckReport((Check("rope_shift", PASSED, "ok"), Check("legolink_covering_chunks", SKIPPED, "x")), 1.0)
     for gate in (ReuseGate(passed, "refuse"), ReuseGate(passed, "full"), ReuseGate()):
         link = LinkRequest.of("legolink:4", [(3, 9)])
-        assert gate.refusal is None and gate.unavailable() == {} and gate.link(link) is link
+        resolver = PolicyResolver.start(gate=gate)
+        assert gate.refusal is None and resolver.unavailable == {} and resolver.link(link) is link
     assert ReuseGate().as_json() == {"status": "not run", "reuse": "as asked, unchecked"}
     with pytest.raises(ValueError, match="on_failure"):
         ReuseGate(FAILED_REPORT, "naive")
@@ -285,7 +292,7 @@ def test_a_failed_check_serves_reuse_as_prefix_and_health_says_why(default_model
 
     policies: list[str] = []
     with fake_runtime(default_model_dir, recording(policies)) as (_fake, runtime_url), \
-            frontend(runtime_url, reuse_gate=ReuseGate(FAILED_REPORT, "prefix")) as url, \
+            frontend(runtime_url, policies=PolicyResolver.start(gate=ReuseGate(FAILED_REPORT, "prefix"))) as url, \
             httpx.Client(base_url=url, timeout=120) as client:
         answer = client.post("/rag/query", json={"question": "Where is the Eiffel Tower?", "max_tokens": 2,
                                                  "policy": "legolink:4", "documents": DOCUMENTS})
@@ -306,7 +313,7 @@ def test_refuse_answers_400_with_the_reason_and_serves_the_default_as_prefix(def
 
     policies: list[str] = []
     with fake_runtime(default_model_dir, recording(policies)) as (_fake, runtime_url), \
-            frontend(runtime_url, reuse_gate=ReuseGate(FAILED_REPORT, "refuse")) as url, \
+            frontend(runtime_url, policies=PolicyResolver.start(gate=ReuseGate(FAILED_REPORT, "refuse"))) as url, \
             httpx.Client(base_url=url, timeout=120) as client:
         refused = client.post("/rag/query", json={"question": "Where?", "max_tokens": 2, "policy": "naive",
                                                   "documents": DOCUMENTS})

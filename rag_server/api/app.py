@@ -9,7 +9,7 @@ markers and the DSL's `/concate_and_append_request` (rag_server/api/native_route
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -29,10 +29,8 @@ from rag_server.api.request_stats import RequestStats
 from rag_server.api.state import Frontend, FrontendSettings
 from rag_server.api.upstream import UpstreamTimeouts
 from rag_server.api.validation_errors import validation_error
-from rag_server.linking.reuse_gate import ReuseGate
+from rag_server.linking.policy_resolver import PolicyResolver
 from rag_server.service.quality import QualitySettings
-from rag_server.service.rag_service import DEFAULT_POLICY, NamedPolicy
-from sglang_patches.policies import PolicyError
 
 
 def create_app(
@@ -40,8 +38,7 @@ def create_app(
     *,
     model_path: Path | None = None,
     index_dir: Path | None = None,
-    default_policy: str = DEFAULT_POLICY,
-    unavailable_policies: Mapping[str, str] | None = None,
+    policies: PolicyResolver | None = None,
     api_key: str | None = None,
     admin_api_key: str | None = None,
     cors_origins: Sequence[str] = (),
@@ -51,7 +48,6 @@ def create_app(
     timeouts: UpstreamTimeouts = UpstreamTimeouts(),
     health_interval_s: float = DEFAULT_INTERVAL_S,
     quality: QualitySettings = QualitySettings(),
-    reuse_gate: ReuseGate = ReuseGate(),
     pass_unlisted_fields: bool = False,
     client_idle_timeout_s: float = DEFAULT_CLIENT_IDLE_TIMEOUT_S,
     watchdog_timeout_s: float | None = None,
@@ -65,25 +61,16 @@ def create_app(
     `max_queue` more wait, 503 beyond (rag_server/api/admission.py); request bodies over
     `max_body_bytes` are refused (rag_server/api/body_limit.py); `timeouts` bound every call to
     the runtime (rag_server/api/upstream.py); `/health` reports the runtime's state as probed
-    every `health_interval_s` (rag_server/api/health.py). `unavailable_policies`: policy family ->
-    why this server refuses it (cacherepair without a checkpoint for the model). `quality`: the
-    `auto` policy's target and table, and shadow sampling (rag_server/service/quality.py).
-    `reuse_gate`: chunk reuse after the start-up self-check (rag_server/linking/reuse_gate.py);
-    the families it refuses join the unavailable ones, and a refused default becomes prefix.
-    `pass_unlisted_fields`: forward body fields the allowlist does not list
+    every `health_interval_s` (rag_server/api/health.py). `policies`: the default, availability
+    and fallback of link policies (rag_server/linking/policy_resolver.py; None: the default
+    resolver, every policy served). `quality`: the `auto` policy's target and table, and shadow
+    sampling (rag_server/service/quality.py). `pass_unlisted_fields`: forward body fields the allowlist does not list
     (rag_server/api/forwarded_bodies.py). `client_idle_timeout_s`: how long a client may stall
     its body or its answer (rag_server/api/client_timeouts.py). `watchdog_timeout_s`: a scheduler
     with work and no progress for this long makes /health 503 and calls `on_stall`
     (rag_server/api/progress_watchdog.py; None: no watchdog)."""
-    unavailable = {**(unavailable_policies or {}), **reuse_gate.unavailable()}
-    try:
-        default = NamedPolicy.parse(reuse_gate.default_policy(default_policy))
-    except PolicyError as exc:
-        raise ValueError(f"default policy: {exc}") from exc
-    if default.family.name in unavailable:
-        raise ValueError(f"default policy {default_policy!r} is unavailable: {unavailable[default.family.name]}")
-    settings = FrontendSettings(runtime_url, default, model_path, index_dir, unavailable, timeouts, quality,
-                                reuse_gate=reuse_gate, pass_unlisted_fields=pass_unlisted_fields)
+    settings = FrontendSettings(runtime_url, policies or PolicyResolver.start(), model_path, index_dir, timeouts,
+                                quality, pass_unlisted_fields=pass_unlisted_fields)
 
     app = FastAPI(title="picrag", version="0.1.0", lifespan=lambda app: _running(app, settings))
     watchdog = None if watchdog_timeout_s is None else ProgressWatchdog(

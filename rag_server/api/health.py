@@ -125,5 +125,5 @@ router = APIRouter()
 async def health(request: Request) -> Response:
     status, body = request.app.state.health.report()
     # The start-up self-check: whether chunk-reusing policies are served as asked, and why not.
-    body["selfcheck"] = frontend(request).pipeline.gate.as_json()
+    body["selfcheck"] = frontend(request).rag.policies.gate.as_json()
     return JSONResponse(body, status)

@@ -62,7 +62,7 @@ async def generate(request: Request) -> Response:
     if not payload.get("kv_hints"):
         # Tokenizing a long marked text takes a while: off the event loop.
         marked = await asyncio.to_thread(link_marked_payload, payload, state.rag.layout.encode,
-                                         state.special_prefix, state.rag.default_policy.policy)
+                                         state.special_prefix, state.rag.policies.default.policy)
         if marked is None:
             return await forward(request, body)
         payload, body = marked, json.dumps(marked).encode()
@@ -101,7 +101,7 @@ async def _linked(request: Request, payload: dict[str, Any], link: LinkRequest, 
             raise LinkHintError("picrag.link chunk spans index input_ids: send one prompt as a flat input_ids list")
         link = state.pipeline.with_sink(client_link(link, state.pipeline.sink_token))
         link.validate(len(input_ids))
-        state.rag.check_available(link.family)
+        state.rag.policies.check(link.family)
     except LinkHintError as exc:
         return _error(400, str(exc), "invalid_kv_hints")
     too_many = chunk_count_error(len(link.chunks))  # each one a compile, before the engine sees the link

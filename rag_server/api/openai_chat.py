@@ -34,7 +34,8 @@ from rag_server.api.rag_api import (MAX_DOCUMENTS, MAX_NEW_TOKENS, MAX_QUESTION_
                                     PolicyName, RagAnswer, sse)
 from rag_server.api.state import frontend
 from rag_server.linking.pipeline import GenerationError
-from rag_server.service.rag_service import NamedPolicy, RagPlan, RagRequest, RagRequestError, RagResult, RagService
+from rag_server.linking.policy_resolver import NamedPolicy
+from rag_server.service.rag_service import RagPlan, RagRequest, RagRequestError, RagResult, RagService
 
 # Without max_tokens an OpenAI model may use the whole window; a RAG answer needs far less,
 # and the reservation shrinks the room for passages.
@@ -186,7 +187,7 @@ async def _forwarded(request: Request, body: bytes, body_type: type[OpenAISampli
 async def rag_chat_completion(service: RagService, payload: dict[str, Any], model_name: str) -> Response:
     try:
         chat = RagChatRequest.model_validate(payload)
-        plan = await service.plan(chat.to_request(service.default_policy))
+        plan = await service.plan(chat.to_request(service.policies.default))
     except ValidationError as exc:
         return openai_error(400, _validation_message(exc))
     except RagRequestError as exc:

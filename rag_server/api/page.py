@@ -6,7 +6,7 @@ by page.js, no library, no build step). They hold no data, so they are served wi
 with the key the user typed into the page:
 
 - `GET /picrag/policies`: the policy menu: every family of sglang_patches.policies with whether
-  this server serves it, any name the RAG routes accept beyond the families (`auto`), the default;
+  this server serves it, then `auto`, and the default (rag_server/linking/policy_resolver.py);
 - `GET /picrag/stats`: RAG answers per policy with their TTFT p50/p90
   (rag_server/api/request_stats.py), and the runtime's picrag counters from its /metrics;
 - `POST /rag/query` with `"stream": true` for the answer, and `GET /picrag/quality` for the
@@ -24,8 +24,6 @@ from fastapi.responses import FileResponse
 
 from rag_server.api.request_stats import request_stats
 from rag_server.api.state import frontend
-from rag_server.service.rag_service import NamedPolicy
-from sglang_patches.policies import POLICY_FAMILIES, PolicyError
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +35,6 @@ PAGE_FILES = {
     "/page.css": ("page.css", "text/css; charset=utf-8"),
 }
 PAGE_PATHS = frozenset(PAGE_FILES)
-# Policy names the RAG routes may accept besides the families' own, offered where they parse.
-EXTRA_POLICIES = {"auto": "the cheapest policy within the server's quality target"}
 COUNTER_PREFIX = "picrag_"
 
 router = APIRouter(tags=["page"])
@@ -61,25 +57,8 @@ for _path in PAGE_FILES:
 @router.get("/picrag/policies")
 async def policies(request: Request) -> dict:
     """The policies this server knows, each with whether it serves them (and why not), and the default."""
-    rag = frontend(request).rag
-    menu = [
-        {"name": family.name, "syntax": family.syntax, "summary": family.summary,
-         "available": family.name not in rag.unavailable_policies,
-         "reason": rag.unavailable_policies.get(family.name)}
-        for family in POLICY_FAMILIES.values()
-    ]
-    for name, summary in EXTRA_POLICIES.items():
-        if name not in POLICY_FAMILIES and _accepted(name):
-            menu.append({"name": name, "syntax": name, "summary": summary, "available": True, "reason": None})
-    return {"default": rag.default_policy.name, "policies": menu}
-
-
-def _accepted(name: str) -> bool:
-    try:
-        NamedPolicy.parse(name)
-    except PolicyError:
-        return False
-    return True
+    policies = frontend(request).rag.policies
+    return {"default": policies.default.name, "policies": policies.menu()}
 
 
 @router.get("/picrag/stats")

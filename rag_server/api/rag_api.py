@@ -24,8 +24,8 @@ from rag_server.api.request_stats import Answered, RequestStats, request_stats
 from rag_server.api.state import frontend
 from rag_server.linking.pipeline import GenerationError
 from rag_server.service.context_window import ScoredPassage
-from rag_server.service.rag_service import (DEFAULT_TOP_K, NamedPolicy, RagPlan, RagRequest, RagRequestError,
-                                            RagResult, RagService)
+from rag_server.linking.policy_resolver import NamedPolicy
+from rag_server.service.rag_service import DEFAULT_TOP_K, RagPlan, RagRequest, RagRequestError, RagResult, RagService
 from retrieval.passage import passage_id
 from sglang_patches.policies import PolicyError
 
@@ -201,7 +201,7 @@ router = APIRouter(tags=["rag"])
 async def rag_query(query: RagQuery, request: Request):
     """Answer a question from passages given inline or retrieved from the server's index."""
     service = _service(request)
-    plan = await _plan(service, query.to_request(service.default_policy))
+    plan = await _plan(service, query.to_request(service.policies.default))
     if query.stream:
         return StreamingResponse(_stream(service, plan, request_stats(request)), media_type="text/event-stream")
     try:

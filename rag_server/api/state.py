@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -18,22 +17,20 @@ from rag_server.api.forwarded_bodies import ForwardLimits
 from rag_server.api.upstream import UpstreamTimeouts, runtime_client
 from rag_server.linking.chunk_compiler import ChunkCompiler
 from rag_server.linking.pipeline import LinkPipeline
-from rag_server.linking.reuse_gate import ReuseGate
+from rag_server.linking.policy_resolver import PolicyResolver
 from rag_server.service.context_window import ContextLimits
 from rag_server.service.quality import QualityControl, QualitySettings
-from rag_server.service.rag_service import NamedPolicy, RagService
+from rag_server.service.rag_service import RagService
 
 
 @dataclass(frozen=True)
 class FrontendSettings:
     runtime_url: str
-    default_policy: NamedPolicy
+    policies: PolicyResolver  # default, availability and fallback of link policies
     model_path: Optional[Path] = None  # default: the runtime's
     index_dir: Optional[Path] = None
-    unavailable_policies: Mapping[str, str] = field(default_factory=dict)  # family -> why not here
     timeouts: UpstreamTimeouts = UpstreamTimeouts()  # every call to the runtime
     quality: QualitySettings = QualitySettings()  # `auto` and shadow sampling
-    reuse_gate: ReuseGate = ReuseGate()  # chunk reuse after the start-up self-check
     pass_unlisted_fields: bool = False  # forward fields the allowlist does not list (trusted clients)
 
 
@@ -55,16 +52,14 @@ class Frontend:
             tokenizer = await asyncio.to_thread(_load_tokenizer, Path(info.get("tokenizer_path") or model_dir))
             retriever = await asyncio.to_thread(_open_index, settings.index_dir) if settings.index_dir else None
             pipeline = LinkPipeline(client, ChunkCompiler(client), sink_token=tokenizer.bos_token_id,
-                                    gate=settings.reuse_gate)
+                                    policies=settings.policies)
             rag = RagService(
                 tokenizer,
                 pipeline,
                 await _context_limits(client, model_dir),
                 retriever=retriever,
-                default_policy=settings.default_policy,
-                unavailable_policies=settings.unavailable_policies,
+                policies=settings.policies,
                 quality=await asyncio.to_thread(QualityControl.open, settings.quality, model_dir, pipeline),
-                reuse_gate=settings.reuse_gate,
             )
         except BaseException:
             await client.aclose()

@@ -33,7 +33,7 @@ import httpx
 
 from rag_server.linking import sse
 from rag_server.linking.chunk_compiler import ROUTING_KEY_HEADER, ChunkCompiler, CompileError, passage_set_key
-from rag_server.linking.reuse_gate import ReuseGate
+from rag_server.linking.policy_resolver import PolicyResolver
 from rag_server.linking.selection import selected_runs
 from sglang_patches.context_attention import META_KEY as ATTENTION_KEY
 from sglang_patches.context_attention import decode as decode_attention
@@ -176,11 +176,13 @@ class Linked:
 
 class LinkPipeline:
     def __init__(self, client: httpx.AsyncClient, compiler: ChunkCompiler, sink_token: Optional[int] = None,
-                 gate: ReuseGate = ReuseGate()):
+                 policies: Optional[PolicyResolver] = None):
         self.client = client
         self.compiler = compiler
         self.sink_token = sink_token  # the model's BOS: the sink that policies with sink tokens compile
-        self.gate = gate  # what chunk-reusing links are served as after the start-up self-check
+        # What a link is sent as (a failed start-up self-check turns reuse away); None: as asked
+        # (the self-check's own links).
+        self.policies = policies
         self.relinks = 0  # links sent again because a chunk was missing (picrag_frontend_relinks)
 
     def with_sink(self, link: LinkRequest) -> LinkRequest:
@@ -201,7 +203,8 @@ class LinkPipeline:
         """Send `fields` (a /generate body without its prompt) with `input_ids` linked as
         `link` says, its chunks compiled first; relinked when chunks are missing at link time.
         `headers` and `params` go with every link request."""
-        link = self.gate.link(link)
+        if self.policies is not None:
+            link = self.policies.link(link)
         if link.family.scored_as and link.chunks and link.ratio > 0 and not link.recompute:
             link = await self._select(input_ids, link, headers, params)
         route = passage_set_key(input_ids, link)

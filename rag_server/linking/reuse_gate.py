@@ -5,7 +5,8 @@ gives (rag_server/launch/selfcheck.py). When a check fails, every policy family 
 chunks (the `reuses_chunks` flag in sglang_patches.policies) is turned away as
 `--on-selfcheck-failure` says: served as `prefix` (the default: SGLang's exact prefix cache, so
 answers stay right and shared prefixes are still reused), served as `full`, or refused (HTTP 400
-with the reason). The gate holds the report, so /health shows what was checked and what failed.
+with the reason); the policy resolver applies it (rag_server/linking/policy_resolver.py). The
+gate holds the report, so /health shows what was checked and what failed.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from sglang_patches.link_hints import LinkRequest
-from sglang_patches.policies import POLICY_FAMILIES, Policy, PolicyFamily, parse_policy
 
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
 
@@ -61,30 +60,6 @@ class ReuseGate:
         if self.report is None or self.report.passed:
             return None
         return f"the start-up self-check failed ({self.report.failures()})"
-
-    def unavailable(self) -> dict[str, str]:
-        """Policy family -> why this server refuses it (`refuse` after a failed self-check)."""
-        if self.refusal is None or self.on_failure != REFUSE:
-            return {}
-        return {family.name: self.refusal for family in POLICY_FAMILIES.values() if family.reuses_chunks}
-
-    def default_policy(self, name: str) -> str:
-        """The server's default policy: a refused chunk-reusing one becomes `prefix`, so requests
-        that name no policy are still answered."""
-        if name.partition(":")[0] in self.unavailable():
-            return "prefix"
-        return name
-
-    def _serves_instead(self, family: PolicyFamily) -> bool:
-        return family.reuses_chunks and self.refusal is not None and self.on_failure != REFUSE
-
-    def served(self, policy: Policy) -> Policy:
-        """The policy a request asking for `policy` is served with."""
-        return parse_policy(self.on_failure) if self._serves_instead(policy.family) else policy
-
-    def link(self, link: LinkRequest) -> LinkRequest:
-        """The link a prompt linked as `link` is served with."""
-        return LinkRequest.of(self.on_failure, link.chunks) if self._serves_instead(link.family) else link
 
     def as_json(self) -> dict[str, Any]:
         if self.report is None:

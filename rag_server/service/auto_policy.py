@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from rag_server.linking.policy_resolver import AUTO
+from rag_server.linking.policy_resolver import AUTO_FALLBACK as FALLBACK
 from rag_server.service.first_token_quality import BUCKET_BOUNDS, QualityRecord, bucket_labels, size_bucket
-from sglang_patches.policies import POLICY_FAMILIES, Policy, PolicyError, parse_policy
+from sglang_patches.policies import Policy, PolicyError, parse_policy
 
 logger = logging.getLogger(__name__)
 
-AUTO = "auto"
-FALLBACK = "full"
 CALIBRATION_DIR = Path(__file__).resolve().parents[1] / "calibration"
 DEFAULT_MIN_SAMPLES = 20
 
@@ -106,16 +106,6 @@ def shipped_table(model_path: Path, repair_checkpoint: Optional[Path]) -> Option
     return table
 
 
-def never_picked(unavailable: Mapping[str, str], reuse_refusal: Optional[str]) -> dict[str, str]:
-    """Families `auto` must not pick: those this server cannot run, and every chunk-reusing one
-    while the start-up self-check refuses reuse (rag_server/linking/reuse_gate.py)."""
-    refused = dict(unavailable)
-    for name, family in POLICY_FAMILIES.items():
-        if reuse_refusal is not None and family.reuses_chunks:
-            refused.setdefault(name, reuse_refusal)
-    return refused
-
-
 @dataclass(frozen=True)
 class AutoChoice:
     policy: Policy
@@ -145,8 +135,8 @@ class AutoPolicy:
         return kl, "calibration table" if label == bucket else f"calibration table, nearest measured size {label}"
 
     def choose(self, prompt_tokens: int, unavailable: Mapping[str, str] = {}) -> AutoChoice:
-        """The policy for a prompt of `prompt_tokens` tokens; `unavailable`: families this server
-        refuses (never picked)."""
+        """The policy for a prompt of `prompt_tokens` tokens; `unavailable`: families never
+        picked (the policy resolver's `auto_excluded`)."""
         bounds = self.table.bounds if self.table else BUCKET_BOUNDS
         bucket = size_bucket(prompt_tokens, bounds)
         target = f"target {self.target:g} for {bucket} tokens"

@@ -10,58 +10,27 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rag_server.linking.pipeline import LinkPipeline, Linked
-from rag_server.linking.reuse_gate import ReuseGate
-from rag_server.service.auto_policy import AUTO, never_picked
+from rag_server.linking.policy_resolver import NamedPolicy, PolicyResolver
 from rag_server.service.context_window import (ContextLimits, FittedPassages, PromptTooLong, ScoredPassage,
                                                fit_passages)
 from rag_server.service.quality import QualityControl, QualitySettings
 from retrieval.prompt_layout import DEFAULT_SYSTEM_PROMPT, CompiledPrompt, PromptLayout, PromptLayoutError, Tokenizer
 from sglang_patches.link_hints import LinkRequest
-from sglang_patches.policies import Policy, PolicyError, PolicyFamily, parse_policy
+from sglang_patches.policies import PolicyError
 
 if TYPE_CHECKING:
     from retrieval.retriever import Retriever
 
-# The link policy when a request names none: CacheRepair, which on the dev sets closes more of
-# reuse's first-token KL than LegoLink (k 16) and is faster to first token, on both shipped
-# models (docs/benchmarks.md). `picrag serve` falls back along DEFAULT_POLICIES where the
-# served model has no checkpoint or the attention backend cannot mask by position; "full" is
-# one flag away (picrag serve --default-policy full).
-DEFAULT_POLICIES = ("cacherepair", "legolink", "naive")
-DEFAULT_POLICY = DEFAULT_POLICIES[0]
 DEFAULT_TOP_K = 5
 
 
 class RagRequestError(ValueError):
     """A request the service cannot serve as asked (HTTP 400)."""
-
-
-@dataclass(frozen=True)
-class NamedPolicy:
-    """A policy parsed once, where a request or the server's settings name it; answers report
-    it as it was named ('legolink', where the policy's canonical name is 'legolink:16').
-
-    `auto` (rag_server/service/auto_policy.py) is chosen per request once the prompt is built;
-    until then `policy` holds its fallback, `full`."""
-
-    name: str
-    policy: Policy
-    auto: bool = False
-
-    @classmethod
-    def parse(cls, name: str) -> NamedPolicy:
-        if name == AUTO:
-            return cls(name, parse_policy("full"), auto=True)
-        return cls(name, parse_policy(name))
-
-    @property
-    def family(self) -> PolicyFamily:
-        return self.policy.family
 
 
 @dataclass(frozen=True)
@@ -151,28 +120,16 @@ class RagService:
         pipeline: LinkPipeline,
         limits: ContextLimits,
         retriever: Retriever | None = None,
-        default_policy: NamedPolicy | None = None,  # None: DEFAULT_POLICY
-        unavailable_policies: Mapping[str, str] | None = None,
+        policies: PolicyResolver | None = None,  # None: the default resolver, every policy served
         quality: QualityControl | None = None,  # None: no calibration table, no shadow sampling
-        reuse_gate: ReuseGate = ReuseGate(),  # chunk reuse after the start-up self-check
     ):
         self.tokenizer = tokenizer
         self.pipeline = pipeline
         self.limits = limits
         self.retriever = retriever
-        self.default_policy = default_policy or NamedPolicy.parse(DEFAULT_POLICY)
-        self.unavailable_policies = dict(unavailable_policies or {})  # family name -> why not
+        self.policies = policies or PolicyResolver.start()
         self.layout = PromptLayout(tokenizer)
         self.quality = quality or QualityControl.open(QualitySettings(), None, pipeline)
-        self.reuse_gate = reuse_gate
-
-    def check_available(self, family: PolicyFamily) -> None:
-        """Raises PolicyError for a policy family this server cannot run (cacherepair without a
-        checkpoint for the model)."""
-        if family.name in self.unavailable_policies:
-            raise PolicyError(
-                f"policy {family.name!r} is unavailable on this server: {self.unavailable_policies[family.name]}"
-            )
 
     def _layout(self, request: RagRequest) -> PromptLayout:
         if request.system_prompt is None and not request.history:
@@ -194,7 +151,7 @@ class RagService:
     async def plan(self, request: RagRequest) -> RagPlan:
         started = time.perf_counter()
         try:
-            self.check_available(request.policy.family)
+            self.policies.check(request.policy.family)
         except PolicyError as exc:
             raise RagRequestError(str(exc)) from exc
         if request.documents is None:
@@ -217,14 +174,13 @@ class RagService:
             )
         reason = None
         if request.policy.auto:
-            choice = self.quality.auto.choose(len(prompt.input_ids),
-                                              never_picked(self.unavailable_policies, self.reuse_gate.refusal))
-            request = dataclasses.replace(request, policy=NamedPolicy(choice.policy.name, choice.policy))
+            choice = self.quality.auto.choose(len(prompt.input_ids), self.policies.auto_excluded)
+            request = dataclasses.replace(request, policy=NamedPolicy.of(choice.policy))
             reason = choice.reason
-        served = self.reuse_gate.served(request.policy.policy)
-        if served != request.policy.policy:
-            warnings.append(f"policy {request.policy.name} served as {served.name}: {self.reuse_gate.refusal}")
-            request = dataclasses.replace(request, policy=NamedPolicy(served.name, served))
+        served = self.policies.served(request.policy)
+        if served.warning is not None:
+            warnings.append(served.warning)
+            request = dataclasses.replace(request, policy=served.policy)
         return RagPlan(request, prompt, fitted.kept, fitted.dropped, warnings, retrieval_ms, started, reason)
 
     def _prompt(self, request: RagRequest, candidates: Sequence[ScoredPassage],
