@@ -32,6 +32,7 @@ import httpx
 
 from rag_server.bench.common import server
 from retrieval.prompt_layout import PromptLayout, PromptPassage
+from sglang_patches.engine_report import EngineReport
 from sglang_patches.link_hints import link_hints
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,7 +96,7 @@ def main() -> None:
                     timed(client, warm.input_ids, policy, warm.chunks)  # compiles every chunk
                     t, meta = timed(client, measured.input_ids, policy, measured.chunks)
                     times[policy].append(t)
-                    tokens[policy].append(meta["cached_tokens_details"]["picrag_computed_tokens"])
+                    tokens[policy].append(EngineReport.of(meta).link.computed_tokens)
                 print(f"row {i + 1}/{len(rows)}: {len(prompt.input_ids)} tokens, "
                       + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()), flush=True)
 

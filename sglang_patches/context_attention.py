@@ -3,22 +3,21 @@
 Query-aware selection (the `select` families) recomputes the chunk tokens the question attends
 to most. The frontend measures that first: it links the prompt as the family's base policy
 (naive's or cacherepair's KV) with ``"context_attention": true``, and reads back, in meta_info
-(`META_KEY`), the attention weight the question's tokens give to each prompt position, summed
-over layers, heads and question tokens: base64 of little-endian float32, one per position in the
-original prompt order. Both attention backends add each layer's weights as they attend
+(sglang_patches.engine_report), the attention weight the question's tokens give to each prompt
+position, summed over layers, heads and question tokens, one per position in the original
+prompt order. Both attention backends add each layer's weights as they attend
 (`accumulate`), computed apart from the attention kernel from the same queries, keys and mask.
 """
 
 from __future__ import annotations
 
-import base64
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 
-META_KEY = "picrag_context_attention"
+from sglang_patches.engine_report import encode_floats
 
 
 @dataclass
@@ -59,8 +58,4 @@ def encode(report: AttentionReport, prompt_len: int, order: Optional[list[int]])
         values = report.sums[:prompt_len].numpy()
         positions = np.asarray(order[: len(values)] if order is not None else range(len(values)))
         sums[positions] = values
-    return base64.b64encode(sums.tobytes()).decode("ascii")
-
-
-def decode(text: str) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(text), dtype="<f4")
+    return encode_floats(sums)

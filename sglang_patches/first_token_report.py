@@ -7,38 +7,16 @@ link sent with ``"first_token_logprobs": true`` gets it: an AFTER hook on the sc
 result readback (`Scheduler._copy_result_to_cpu`, which every generation forward passes) takes
 the log-softmax of the logits row of each such request whose prefill has just produced its
 first token, and sglang_patches.meta_info ships it once in ``meta_info`` as
-``picrag_first_token_logprobs``: base64 of little-endian float32, one per vocabulary id.
+``picrag_first_token_logprobs``, one per vocabulary id (sglang_patches.engine_report).
 """
 
 from __future__ import annotations
 
-import base64
 from typing import Optional
 
-import numpy as np
+from sglang_patches.engine_report import encode_floats
 
 HOOK_TARGET = "sglang.srt.managers.scheduler.Scheduler._copy_result_to_cpu"
-META_KEY = "picrag_first_token_logprobs"
-
-
-def encode(logprobs) -> str:
-    return base64.b64encode(np.asarray(logprobs, dtype="<f4").tobytes()).decode("ascii")
-
-
-def decode(text: str) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(text), dtype="<f4")
-
-
-def exact_kl(reference: np.ndarray, measured: np.ndarray) -> float:
-    """KL(reference || measured) over the whole vocabulary, from two log-probability vectors."""
-    if reference.shape != measured.shape:
-        raise ValueError(f"distributions over {reference.shape} and {measured.shape} ids")
-    p_log = reference.astype(np.float64)
-    q_log = measured.astype(np.float64)
-    p = np.exp(p_log)
-    # Tokens the reference gives no mass to contribute nothing, whatever the other side says.
-    support = p > 0
-    return float(np.sum(p[support] * (p_log[support] - q_log[support])))
 
 
 def capture(_result, _scheduler, batch_result, batch) -> None:
@@ -57,7 +35,7 @@ def capture(_result, _scheduler, batch_result, batch) -> None:
         # row sent is the last piece's, the first answer token's.
         if plan is None or not plan.link.report_first_token or req.output_ids:
             continue
-        plan.stats.first_token_logprobs = encode(logits[row].float().log_softmax(-1).cpu().numpy())
+        plan.stats.first_token_logprobs = encode_floats(logits[row].float().log_softmax(-1).cpu().numpy())
     return None
 
 

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 
 from sglang_patches.chunk_key import chunk_key
 from sglang_patches.context_attention import AttentionReport
+from sglang_patches.engine_report import LinkCounts
 from sglang_patches.reordered_layout import reordered_layout
 from sglang_patches.link_hints import REORDERED_LAYOUT, LinkRequest
 from sglang_patches.policies import PolicyFamily
@@ -74,14 +75,9 @@ class LinkStats:
     context_attention: Optional[AttentionReport] = None
 
     def as_meta(self) -> dict[str, int | str]:
-        return {
-            "picrag_policy": self.policy,
-            "picrag_chunk_hits": self.chunk_hits,
-            "picrag_chunk_misses": self.chunk_misses,
-            "picrag_chunks_cut": self.chunks_cut,
-            "picrag_reused_tokens": self.reused_tokens,
-            "picrag_computed_tokens": self.computed_tokens,
-        }
+        """The accounting in meta_info (sglang_patches.engine_report, where it is read back)."""
+        return LinkCounts(self.policy, self.chunk_hits, self.chunk_misses, self.chunks_cut, self.reused_tokens,
+                          self.computed_tokens).as_meta()
 
 
 @dataclass

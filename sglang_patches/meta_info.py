@@ -4,7 +4,8 @@ SGLang already ships a per-request dict of cache details from the scheduler to t
 server (``meta_info.cached_tokens_details``); an AFTER hook on the one method that builds it
 adds picrag's flat fields (`sglang_patches.link_plan.LinkStats.as_meta`), and a link's
 first-token distribution (sglang_patches.first_token_report) or its question's attention over
-the prompt (sglang_patches.context_attention) when it asked for them. tests/test_sglang_seams.py checks
+the prompt (sglang_patches.context_attention) when it asked for them: the schema and its
+decoder are sglang_patches.engine_report. tests/test_sglang_seams.py checks
 the signature of every function picrag hooks.
 """
 
@@ -17,9 +18,9 @@ HOOK_TARGET = (
 
 
 def add_link_stats(result, _streamer, req):
-    from sglang_patches.context_attention import META_KEY as ATTENTION_KEY
     from sglang_patches.context_attention import encode as encode_attention
-    from sglang_patches.first_token_report import META_KEY, take_for_output
+    from sglang_patches.engine_report import ATTENTION_KEY, FIRST_TOKEN_KEY
+    from sglang_patches.first_token_report import take_for_output
     from sglang_patches.link_plan import plan_of
 
     plan = plan_of(req)
@@ -29,7 +30,7 @@ def add_link_stats(result, _streamer, req):
     meta = {**(result or {"device": 0, "host": 0}), **stats.as_meta()}
     first_token = take_for_output(stats, streamed=bool(req.stream))
     if first_token is not None:
-        meta[META_KEY] = first_token
+        meta[FIRST_TOKEN_KEY] = first_token
     report = stats.context_attention
     if report is not None and report.sums is not None:
         meta[ATTENTION_KEY] = encode_attention(report, len(req.origin_input_ids), plan.order)

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from retrieval.prompt_layout import PromptPassage
+from sglang_patches.engine_report import EngineReport, LinkCounts
 from sglang_patches.link_hints import link_hints
 
 
@@ -36,9 +37,11 @@ def generate(client, input_ids, policy=None, chunks=(), max_new_tokens=8, logpro
     return response.json()
 
 
-def picrag_meta(out: dict) -> dict:
-    details = out["meta_info"].get("cached_tokens_details") or {}
-    return {k.removeprefix("picrag_"): v for k, v in details.items() if k.startswith("picrag_")}
+def picrag_meta(out: dict) -> LinkCounts:
+    """The link's accounting in a linked /generate answer (fails for an answer without one)."""
+    counts = EngineReport.of(out["meta_info"]).link
+    assert counts is not None, out["meta_info"]
+    return counts
 
 
 def logprobs_of(out: dict) -> list[float]:

@@ -21,6 +21,7 @@ from rag_server.linking.chunk_compiler import compile_request, segments_to_compi
 from retrieval.prompt_layout import passage_text, question_text
 from sglang_patches.attention_backends import NATIVE_BACKEND
 from sglang_patches.chunk_cache import CHUNK_NAMESPACE, ChunkRadixCache
+from sglang_patches.engine_report import EngineReport
 from sglang_patches.link_hints import (COMPILE_ACTION, LINK_ACTION, LinkHintError, LinkRequest, compile_hints,
                                        hints_of, parse_link_request, runtime_request)
 from sglang_patches.request_guard import (EngineSettings, RequestShape, admitted_link, check_token_ids,
@@ -363,8 +364,7 @@ def attack_other_chunk_spans(scene: Scene) -> None:
     for batch in (pieces, segments_to_compile(scene.ids, other)[len(pieces):]):
         assert scene.runtime.post("/generate", json=compile_request(batch)).status_code == 200
     response = scene.runtime.post("/generate", json=generate_body(scene.ids, hints_of(other)))
-    assert response.status_code == 200 and response.json()["meta_info"]["cached_tokens_details"][
-        "picrag_chunk_misses"] == 0
+    assert response.status_code == 200 and EngineReport.of(response.json()["meta_info"]).chunk_misses == 0
 
 
 ATTACKS = [attack_issue_payload_on_every_piece, attack_extra_key_names_a_linked_namespace,

@@ -41,7 +41,7 @@ def test_cacheblend_with_ratio_one_equals_full(picrag_server, layout, musique):
     with picrag_server.client() as client:
         full = run(client, prompt, "full", top=True)
         blend = run(client, prompt, "cacheblend:1.0", top=True)
-    assert picrag_meta(blend)["computed_tokens"] == len(prompt.input_ids) - len(layout.head_ids)
+    assert picrag_meta(blend).computed_tokens == len(prompt.input_ids) - len(layout.head_ids)
     assert_same_answer(blend, full)
 
 
@@ -55,9 +55,9 @@ def test_cacheblend_recomputes_the_ratio_of_chunk_tokens_plus_the_question(picra
         blend = run(client, prompt, "cacheblend:0.15", top=True)
         again = run(client, prompt, "cacheblend:0.15", top=True)
     meta = picrag_meta(blend)
-    assert meta["chunk_hits"] == 4 and meta["chunk_misses"] == 0
-    assert meta["computed_tokens"] == math.ceil(0.15 * prompt.chunk_tokens) + question_tokens
-    assert meta["reused_tokens"] == len(prompt.input_ids) - meta["computed_tokens"]
+    assert meta.chunk_hits == 4 and meta.chunk_misses == 0
+    assert meta.computed_tokens == math.ceil(0.15 * prompt.chunk_tokens) + question_tokens
+    assert meta.reused_tokens == len(prompt.input_ids) - meta.computed_tokens
     # Layers 0-1 and the selected tokens are fresh: not naive's KV; nothing is kept between runs.
     assert first_token_top(blend) != pytest.approx(first_token_top(naive), abs=1e-4)
     assert again["output_ids"] == blend["output_ids"]

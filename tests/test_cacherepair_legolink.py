@@ -90,8 +90,8 @@ def test_zero_initialised_repair_with_legolink_is_exactly_legolink(picrag_server
         repaired = run(client, prompt, f"{COMBINED}:{k}", top=True)
         after = counters(client)["repaired_tokens"]
     meta = picrag_meta(repaired)
-    assert meta["policy"] == COMBINED and meta["chunk_hits"] == 3 and meta["chunk_misses"] == 0
-    assert meta["computed_tokens"] == 3 * k + question_tokens
+    assert meta.policy == COMBINED and meta.chunk_hits == 3 and meta.chunk_misses == 0
+    assert meta.computed_tokens == 3 * k + question_tokens
     # The network corrected every grafted rest, and nothing else.
     assert after - before == prompt.chunk_tokens - 3 * k
     assert repaired["output_ids"] == lego["output_ids"]
@@ -108,7 +108,7 @@ def test_k_covering_every_chunk_is_full_prefill(picrag_server, layout, musique):
         full = run(client, prompt, "full", top=True)
         whole = run(client, prompt, f"{COMBINED}:{longest}", top=True)
         after = counters(client).get("repaired_tokens", 0.0)
-    assert picrag_meta(whole)["computed_tokens"] == len(prompt.input_ids) - len(layout.head_ids)
+    assert picrag_meta(whole).computed_tokens == len(prompt.input_ids) - len(layout.head_ids)
     assert after == before  # nothing grafted but the head, so nothing repaired
     assert_same_answer(whole, full)
 

@@ -100,7 +100,7 @@ def test_zero_initialised_repair_is_exactly_naive(picrag_server, layout, musique
         repaired = run(client, prompt, "cacherepair", top=True)
         after = counters(client)["repaired_tokens"]
     meta = picrag_meta(repaired)
-    assert meta["policy"] == "cacherepair" and meta["computed_tokens"] == question_tokens(prompt)
+    assert meta.policy == "cacherepair" and meta.computed_tokens == question_tokens(prompt)
     assert after - before == prompt.chunk_tokens
     assert repaired["output_ids"] == naive["output_ids"]
     assert first_token_top(repaired) == first_token_top(naive)

@@ -24,8 +24,8 @@ def test_naive_chunk_at_position_zero_equals_vanilla_prefix_caching(picrag_serve
         vanilla = generate(client, ids, logprobs=True)
     assert vanilla["meta_info"]["cached_tokens"] == len(chunk)
     meta = picrag_meta(naive)
-    assert meta["chunk_hits"] == 1 and meta["reused_tokens"] == len(chunk)
-    assert meta["computed_tokens"] == len(question)
+    assert meta.chunk_hits == 1 and meta.reused_tokens == len(chunk)
+    assert meta.computed_tokens == len(question)
     assert naive["output_ids"] == vanilla["output_ids"]
     assert logprobs_of(naive) == pytest.approx(logprobs_of(vanilla), abs=1e-6)
 
@@ -50,20 +50,20 @@ def test_passage_reused_behind_other_prefixes_is_computed_once(picrag_server, la
     question_len = len(first.input_ids) - first.chunks[-1][1]
     # First prompt: its two passages are compiled (computed alone), head reused.
     assert after_first["compile_chunk_misses"] - before["compile_chunk_misses"] == 2
-    assert picrag_meta(out_first)["computed_tokens"] == question_len
+    assert picrag_meta(out_first).computed_tokens == question_len
     # Second prompt: only its two new passages are computed; the shared one is a hit.
     assert after_second["compile_chunk_misses"] - after_first["compile_chunk_misses"] == 2
     assert after_second["compile_chunk_hits"] - after_first["compile_chunk_hits"] == 2  # head + shared
     meta = picrag_meta(out_second)
-    assert meta["chunk_hits"] == 3 and meta["chunk_misses"] == 0
-    assert meta["computed_tokens"] == len(second.input_ids) - second.chunks[-1][1]
-    assert meta["reused_tokens"] == second.chunks[-1][1]
+    assert meta.chunk_hits == 3 and meta.chunk_misses == 0
+    assert meta.computed_tokens == len(second.input_ids) - second.chunks[-1][1]
+    assert meta.reused_tokens == second.chunks[-1][1]
     # The head (and any leading tokens shared with the first prompt's path) were already in
     # the tree; the rest of the three passages was re-positioned from the chunk store.
     grafted = after_second["grafted_tokens"] - after_first["grafted_tokens"]
     assert second.chunks[-1][1] - len(layout.head_ids) - 16 <= grafted <= second.chunks[-1][1] - len(layout.head_ids)
     # Determinism: with an empty cache the same request recomputes the same answer.
-    assert picrag_meta(cold_second)["chunk_hits"] == 3
+    assert picrag_meta(cold_second).chunk_hits == 3
     assert cold_second["output_ids"] == out_second["output_ids"]
     assert logprobs_of(cold_second) == pytest.approx(logprobs_of(out_second), abs=1e-5)
 
@@ -77,8 +77,8 @@ def test_full_and_prefix_policies_do_not_reuse_chunks(picrag_server, layout, mus
         prefix = generate(client, prompt.input_ids, "prefix", prompt.chunks)
         vanilla = generate(client, prompt.input_ids)
     for out in (full, full_again):
-        assert picrag_meta(out)["reused_tokens"] == 0
-        assert picrag_meta(out)["computed_tokens"] == len(prompt.input_ids)
+        assert picrag_meta(out).reused_tokens == 0
+        assert picrag_meta(out).computed_tokens == len(prompt.input_ids)
     # prefix is vanilla SGLang: the same output, and naive's KV never leaks into its namespace.
     assert prefix["output_ids"] == vanilla["output_ids"] == full["output_ids"]
 
@@ -148,7 +148,7 @@ def test_chunks_lost_after_compile_are_compiled_and_linked_again(picrag_server, 
             events = list(sse.events(response.iter_lines()))
         assert relinks() == before + 2
     for out in (again, events[-1]):
-        assert picrag_meta(out)["chunk_hits"] == 3 and picrag_meta(out)["chunk_misses"] == 0
+        assert picrag_meta(out).chunk_hits == 3 and picrag_meta(out).chunk_misses == 0
     assert again["output_ids"] == first["output_ids"]
     assert logprobs_of(again) == logprobs_of(first)
     assert events[-1]["output_ids"] == first["output_ids"]

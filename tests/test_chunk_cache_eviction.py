@@ -48,7 +48,7 @@ def test_eviction_under_a_tiny_pool_never_reuses_freed_slots(small_pool_server, 
     assert health == 200
     assert pressure["compile_chunk_misses"] >= 10 * 3 + 3  # the repeated prompt recompiled
     for small_out, cold_out in zip(small, cold):
-        assert picrag_meta(small_out)["chunk_hits"] == 3, [picrag_meta(o) for o in small]
+        assert picrag_meta(small_out).chunk_hits == 3, [picrag_meta(o) for o in small]
         assert small_out["output_ids"] == cold_out["output_ids"]
 
 

@@ -87,7 +87,7 @@ def test_restart_reuses_persisted_chunks_and_catches_corruption(tmp_path, defaul
     assert reloaded["disk_loads"] == segments
     assert reloaded["compile_chunk_misses"] == 0
     assert reloaded["compile_computed_tokens"] == segments
-    assert picrag_meta(after_restart)["chunk_hits"] == len(prompt.chunks)
+    assert picrag_meta(after_restart).chunk_hits == len(prompt.chunks)
     assert after_restart["output_ids"] == before_restart["output_ids"]
     assert logprobs_of(after_restart) == pytest.approx(logprobs_of(before_restart), abs=1e-5)
     # The flipped file is reported, ignored and recomputed; the rest reload; same answer.

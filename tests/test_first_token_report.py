@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from rag_server.linking import sse
-from sglang_patches.first_token_report import META_KEY, decode, encode, exact_kl
+from sglang_patches.engine_report import EngineReport, decode_floats, encode_floats, exact_kl
 from sglang_patches.link_hints import LinkHintError, LinkRequest, hints_of, link_hints, parse_link_request
 from tests.chunk_requests import first_token_top, passages_of
 
@@ -18,7 +18,7 @@ from tests.chunk_requests import first_token_top, passages_of
 def test_encoding_round_trip_and_exact_kl():
     logits = np.random.default_rng(0).normal(size=50).astype(np.float32)
     p = logits - np.log(np.exp(logits.astype(np.float64)).sum())
-    assert np.array_equal(decode(encode(p)), p.astype("<f4"))
+    assert np.array_equal(decode_floats(encode_floats(p)), p.astype("<f4"))
     assert exact_kl(p, p) == 0.0
     q = np.log(np.full(50, 1 / 50))
     expected = float(np.sum(np.exp(p) * (p - q)))
@@ -42,8 +42,7 @@ def _body(prompt, policy: str, report: bool, **extra) -> dict:
 
 
 def _distribution(out: dict):
-    sent = (out["meta_info"].get("cached_tokens_details") or {}).get(META_KEY)
-    return None if sent is None else decode(sent)
+    return EngineReport.of(out["meta_info"]).first_token_logprobs
 
 
 @pytest.mark.server
@@ -78,8 +77,8 @@ def test_a_stream_carries_the_distribution_once_through_the_frontend(picrag_serv
             assert response.status_code == 200
             events = list(sse.events(response.iter_lines()))
         whole = client.post("/generate", json=_body(prompt, "naive", True)).json()
-    carrying = [e for e in events if META_KEY in (e.get("meta_info", {}).get("cached_tokens_details") or {})]
+    carrying = [e for e in events if _distribution(e) is not None]
     assert len(events) > 1 and len(carrying) == 1
-    streamed = decode(carrying[0]["meta_info"]["cached_tokens_details"][META_KEY])
+    streamed = _distribution(carrying[0])
     assert exact_kl(_distribution(whole), streamed) < 1e-6
     assert len(json.dumps(events[-1])) < 10_000  # the last event does not repeat it

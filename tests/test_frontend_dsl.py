@@ -8,6 +8,7 @@ import pytest
 from rag_server.api.chunk_markers import strip_markers, tokenize_marked
 from rag_server.dsl import chunk
 from rag_server.linking.policy_resolver import DEFAULT_POLICY
+from sglang_patches.engine_report import EngineReport
 from sglang_patches.link_hints import link_hints
 from sglang_patches.policies import POLICY_FAMILIES
 
@@ -43,12 +44,12 @@ def test_marked_text_is_sent_as_linked_input_ids(picrag_server, layout):
                                                 "kv_hints": link_hints(DEFAULT_POLICY, chunks)}).json()
     assert marked["output_ids"] == linked["output_ids"]
     assert marked["meta_info"]["prompt_tokens"] == len(input_ids)
-    details = marked["meta_info"]["cached_tokens_details"]
-    assert details["picrag_policy"] == DEFAULT_POLICY
-    assert details["picrag_chunk_hits"] + details["picrag_chunk_misses"] == 2
+    counts = EngineReport.of(marked["meta_info"]).link
+    assert counts.policy == DEFAULT_POLICY
+    assert counts.chunk_hits + counts.chunk_misses == 2
     # legolink recomputes the first k (its default) tokens of each chunk and reuses the rest.
     k = POLICY_FAMILIES["legolink"].default_param
-    assert details["picrag_reused_tokens"] >= sum(max(0, end - start - k) for start, end in chunks)
+    assert counts.reused_tokens >= sum(max(0, end - start - k) for start, end in chunks)
 
 
 def test_concate_and_append_route(picrag_server):
@@ -93,9 +94,9 @@ def test_dsl_program_with_chunks_reuses_them(sgl):
     first = answer.run(question="Which river reaches the North Sea?")
     second = answer.run(question="Where does the Danube end?")
     for state in (first, second):
-        details = state.get_meta_info("answer")["cached_tokens_details"]
+        counts = EngineReport.of(state.get_meta_info("answer")).link
         # The frontend compiled both passages before linking: both are found in the store.
-        assert details["picrag_policy"] == DEFAULT_POLICY and details["picrag_chunk_hits"] == 2
-        assert details["picrag_reused_tokens"] > 0
+        assert counts.policy == DEFAULT_POLICY and counts.chunk_hits == 2
+        assert counts.reused_tokens > 0
     assert first["answer"] and second["answer"]
     assert strip_markers(first.text()).count("Document (Title: ") == 2

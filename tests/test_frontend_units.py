@@ -211,7 +211,8 @@ def test_position_masked_policies_need_a_picrag_attention_backend():
 
 
 def test_relink_reads_chunk_misses_from_the_first_event_and_from_whole_answers():
-    from rag_server.linking.pipeline import chunk_misses, first_event, response_misses
+    from rag_server.linking.pipeline import first_event, response_misses
+    from sglang_patches.engine_report import EngineReport
 
     async def stream(parts):
         for part in parts:
@@ -219,7 +220,7 @@ def test_relink_reads_chunk_misses_from_the_first_event_and_from_whole_answers()
 
     first = b'data: {"text": "a", "meta_info": {"cached_tokens_details": {"picrag_chunk_misses": 2}}}\n\n'
     read, event = asyncio.run(first_event(stream([first[:20], first[20:], b'data: {"text": "ab"}\n\n'])))
-    assert read.startswith(first) and chunk_misses(event["meta_info"]) == 2
+    assert read.startswith(first) and EngineReport.of(event["meta_info"]).relinkable_misses == 2
     assert asyncio.run(first_event(stream([b": keep-alive\n\n", b"data: [DONE]\n\n"])))[1] is None
     assert response_misses(b'{"meta_info": {"cached_tokens_details": {"picrag_chunk_misses": 1}}}') == 1
     assert response_misses(b'[{"meta_info": {}}, {"meta_info": null}]') == 0

@@ -55,7 +55,7 @@ def test_legolink_limits_equal_full_and_naive(picrag_server, layout, musique):
         naive = run(client, prompt, "naive", top=True)
         zero = run(client, prompt, "legolink:0", top=True)
     # k covering every chunk recomputes everything but the head (a true prefix): full prefill.
-    assert picrag_meta(whole)["computed_tokens"] == len(prompt.input_ids) - len(layout.head_ids)
+    assert picrag_meta(whole).computed_tokens == len(prompt.input_ids) - len(layout.head_ids)
     assert_same_answer(whole, full)
     # k = 0 recomputes nothing: naive.
     assert_same_answer(zero, naive, abs_tol=1e-5)
@@ -74,8 +74,8 @@ def test_legolink_16_computes_16_tokens_per_chunk_and_changes_answers(picrag_ser
             naive = run(client, prompt, "naive", max_new_tokens=6)
             lego = run(client, prompt, "legolink:16", max_new_tokens=6)
             changed += naive["output_ids"] != lego["output_ids"]
-    assert meta["computed_tokens"] == 10 * 16 + question_tokens(ten)
-    assert meta["reused_tokens"] == len(ten.input_ids) - 10 * 16 - question_tokens(ten)
+    assert meta.computed_tokens == 10 * 16 + question_tokens(ten)
+    assert meta.reused_tokens == len(ten.input_ids) - 10 * 16 - question_tokens(ten)
     assert changed >= 1
 
 
@@ -101,7 +101,7 @@ def test_legolink0_computes_only_the_question_from_sink_compiled_chunks(picrag_s
         client.post("/flush_cache").raise_for_status()
         cold = run(client, prompt, "legolink0", top=True)
     meta = picrag_meta(sunk)
-    assert meta["computed_tokens"] == question_tokens(prompt) and meta["chunk_hits"] == 3
+    assert meta.computed_tokens == question_tokens(prompt) and meta.chunk_hits == 3
     # Chunks computed behind sinks are different KV from naive's, and reproducible from cold.
     assert first_token_top(sunk) != pytest.approx(first_token_top(naive), abs=1e-4)
     assert cold["output_ids"] == sunk["output_ids"]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rag_server.linking.selection import selected_runs
-from sglang_patches.context_attention import META_KEY, decode
+from sglang_patches.engine_report import EngineReport
 from sglang_patches.link_hints import LinkHintError, LinkRequest, hints_of, parse_link_request
 from sglang_patches.policies import parse_policy
 from tests.chunk_requests import assert_same_answer, generate, passages_of, picrag_meta, question_tokens, run
@@ -79,7 +79,7 @@ def test_the_question_attention_equals_an_independent_naive_computation(picrag_s
     with picrag_server.client() as client:
         out = generate(client, prompt.input_ids, max_new_tokens=0, kv_hints=hints_of(
             LinkRequest(policy="naive", chunks=tuple(chunks), report_attention=True)))
-    served = decode(out["meta_info"]["cached_tokens_details"][META_KEY]).astype(np.float64)
+    served = EngineReport.of(out["meta_info"]).context_attention.astype(np.float64)
     model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32,
                                                  attn_implementation="eager").eval()
     reference = naive_attention_reference(model, prompt.input_ids, chunks)
@@ -102,10 +102,10 @@ def test_select_one_is_full_and_zero_is_the_base_policy(picrag_server, layout, m
         naive = run(client, prompt, "naive", top=True)
         select_0 = run(client, prompt, "select:0.0", top=True)
         repaired_0 = run(client, prompt, "cacherepair+select:0.0", top=True)  # the zero checkpoint: naive
-    assert picrag_meta(whole)["computed_tokens"] == len(prompt.input_ids) - prompt.chunks[0][0]
+    assert picrag_meta(whole).computed_tokens == len(prompt.input_ids) - prompt.chunks[0][0]
     assert_same_answer(whole, full)
     assert_same_answer(select_k, lego, abs_tol=1e-5)
-    assert picrag_meta(select_0)["computed_tokens"] == question_tokens(prompt)
+    assert picrag_meta(select_0).computed_tokens == question_tokens(prompt)
     for out in (select_0, repaired_0):
         assert_same_answer(out, naive, abs_tol=1e-5)
 
@@ -122,11 +122,11 @@ def test_select_recomputes_the_fraction_the_question_attends_to(picrag_server, l
         selected = run(client, prompt, "select:0.2,2", top=True)
         probe = generate(client, prompt.input_ids, max_new_tokens=0, kv_hints=hints_of(
             LinkRequest(policy="naive", chunks=tuple(chunks), report_attention=True)))
-        scores = decode(probe["meta_info"]["cached_tokens_details"][META_KEY])
+        scores = EngineReport.of(probe["meta_info"]).context_attention
         named = LinkRequest(policy="select", chunks=tuple(chunks), k=2, ratio=0.2,
                             recompute=selected_runs(scores, chunks, 2, 0.2))
         explicit = generate(client, prompt.input_ids, logprobs=True, top_logprobs_num=5, kv_hints=hints_of(named))
     meta = picrag_meta(selected)
-    assert meta["policy"] == "select" and meta["chunk_hits"] == 3 and meta["chunk_misses"] == 0
-    assert meta["computed_tokens"] == question_tokens(prompt) + 3 * 2 + math.ceil(0.2 * chunk_tokens)
+    assert meta.policy == "select" and meta.chunk_hits == 3 and meta.chunk_misses == 0
+    assert meta.computed_tokens == question_tokens(prompt) + 3 * 2 + math.ceil(0.2 * chunk_tokens)
     assert_same_answer(selected, explicit, abs_tol=1e-5)

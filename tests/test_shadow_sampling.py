@@ -19,8 +19,8 @@ import numpy as np
 from rag_server.service.auto_policy import CALIBRATION_DIR, CalibrationTable
 from rag_server.service.first_token_quality import QualityRecord, Sample, bucket_labels, size_bucket
 from rag_server.service.quality_metrics import QualityMetrics
-from rag_server.service.shadow import ShadowSampler, ShadowSettings, first_token, policy_name, sample_name
-from sglang_patches.first_token_report import META_KEY, encode
+from rag_server.service.shadow import ShadowSampler, ShadowSettings, first_token, sample_name
+from sglang_patches.engine_report import FIRST_TOKEN_KEY, encode_floats
 from sglang_patches.link_hints import LinkRequest
 
 CHUNKS = [(10, 40), (40, 90)]
@@ -50,7 +50,7 @@ class _Linked:
 
 
 def _answer(token: int, logprobs: np.ndarray, prompt: int, computed: int | None = None) -> bytes:
-    details = {META_KEY: encode(logprobs)}
+    details = {FIRST_TOKEN_KEY: encode_floats(logprobs)}
     if computed is not None:
         details.update(picrag_computed_tokens=computed, picrag_reused_tokens=prompt - computed)
     meta = {"prompt_tokens": prompt, "cached_tokens_details": details}
@@ -191,8 +191,8 @@ def test_first_token_reads_sglang_answers():
     parsed = first_token(_answer(7, PROBE, 50, 9))
     assert (parsed.token, parsed.computed_tokens) == (7, 9)
     assert np.allclose(parsed.logprobs, PROBE, atol=1e-6)
-    assert policy_name(LinkRequest.of("legolink", CHUNKS)) == "legolink:16"
-    assert policy_name(LinkRequest.of("cacheblend:0.3", CHUNKS)) == "cacheblend:0.3"
+    assert LinkRequest.of("legolink", CHUNKS).policy_name == "legolink:16"
+    assert LinkRequest.of("cacheblend:0.3", CHUNKS).policy_name == "cacheblend:0.3"
 
 
 DOCUMENTS = [{"title": "Oslo", "text": "Oslo is the capital of Norway. It lies at the head of the Oslofjord."},

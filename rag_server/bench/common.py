@@ -34,8 +34,7 @@ import numpy as np
 from rag_server.linking import sse
 from rag_server.linking.chunk_compiler import compile_request, segments_to_compile
 from retrieval.prompt_layout import CompiledPrompt, PromptLayout, PromptPassage
-from sglang_patches.first_token_report import META_KEY as FIRST_TOKEN_META_KEY
-from sglang_patches.first_token_report import decode as decode_logprobs
+from sglang_patches.engine_report import EngineReport
 from sglang_patches.link_hints import LinkRequest, link_hints
 from sglang_patches.policies import PolicyError, parse_policy
 
@@ -186,38 +185,10 @@ class Measured:
 
     text: str
     ttft_s: float
-    meta: dict[str, Any]
-    # The first answer token's log-probabilities over the whole vocabulary, when asked for.
+    report: EngineReport  # of the last event
+    # The first answer token's log-probabilities over the whole vocabulary, when asked for (sent
+    # in one event).
     first_logprobs: np.ndarray | None = None
-
-    @property
-    def details(self) -> dict[str, Any]:
-        return self.meta.get("cached_tokens_details") or {}
-
-    @property
-    def prompt_tokens(self) -> int:
-        return int(self.meta.get("prompt_tokens", 0))
-
-    @property
-    def reused_tokens(self) -> int:
-        # full and prefix carry no chunk accounting; SGLang's own prefix hits are their reuse.
-        return int(self.details.get("picrag_reused_tokens", self.meta.get("cached_tokens", 0)))
-
-    @property
-    def computed_tokens(self) -> int:
-        return int(self.details.get("picrag_computed_tokens", self.prompt_tokens - self.reused_tokens))
-
-    @property
-    def chunk_hits(self) -> int:
-        return int(self.details.get("picrag_chunk_hits", 0))
-
-    @property
-    def chunk_misses(self) -> int:
-        return int(self.details.get("picrag_chunk_misses", 0))
-
-    @property
-    def completion_tokens(self) -> int:
-        return int(self.meta.get("completion_tokens", 0))
 
 
 def measure(client: httpx.Client, prompt: CompiledPrompt, policy: str | None, max_tokens: int,
@@ -236,7 +207,7 @@ def measure(client: httpx.Client, prompt: CompiledPrompt, policy: str | None, ma
     started = time.perf_counter()
     ttft = None
     first_logprobs = None
-    text, meta = "", {}
+    text, report = "", EngineReport()
     with client.stream("POST", "/generate", json=body) as response:
         if response.status_code != 200:
             raise BenchError(f"/generate ({name}) answered {response.status_code}: {response.read()[:300]!r}")
@@ -245,15 +216,14 @@ def measure(client: httpx.Client, prompt: CompiledPrompt, policy: str | None, ma
                 raise BenchError(f"/generate ({name}) failed: {event['error']}")
             if ttft is None:
                 ttft = time.perf_counter() - started
-            text, meta = event.get("text", ""), event.get("meta_info") or {}
-            sent = (meta.get("cached_tokens_details") or {}).get(FIRST_TOKEN_META_KEY)
-            if sent is not None:
-                first_logprobs = decode_logprobs(sent)
+            text, report = event.get("text", ""), EngineReport.of(event.get("meta_info"))
+            if report.first_token_logprobs is not None:
+                first_logprobs = report.first_token_logprobs
     if ttft is None:
         raise BenchError(f"/generate ({name}) streamed no output")
     if first_token_distribution and first_logprobs is None:
         raise BenchError(f"/generate ({name}) sent no first-token distribution")
-    return Measured(text=text, ttft_s=ttft, meta=meta, first_logprobs=first_logprobs)
+    return Measured(text=text, ttft_s=ttft, report=report, first_logprobs=first_logprobs)
 
 
 def warm_chunks(client: httpx.Client, layout: PromptLayout, prompt: CompiledPrompt, policy: str) -> None:

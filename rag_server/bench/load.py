@@ -173,15 +173,15 @@ def run_cell(url: str, prompts: list[CompiledPrompt], policy: str, concurrency: 
         for future in [pool.submit(worker) for _ in range(concurrency)]:
             future.result()
     wall = time.perf_counter() - started
-    hits, misses = sum(m.chunk_hits for m in done), sum(m.chunk_misses for m in done)
+    hits, misses = sum(m.report.chunk_hits for m in done), sum(m.report.chunk_misses for m in done)
     ttfts = [m.ttft_s for m in done]
     return Cell(
         policy=policy, concurrency=concurrency, shadow_rate=shadow_rate, requests=len(done), wall_s=wall,
         requests_per_s=len(done) / wall,
-        output_tokens_per_s=sum(m.completion_tokens for m in done) / wall,
-        prompt_tokens_per_s=sum(m.prompt_tokens for m in done) / wall,
+        output_tokens_per_s=sum(m.report.completion_tokens for m in done) / wall,
+        prompt_tokens_per_s=sum(m.report.prompt_tokens for m in done) / wall,
         ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
-        reused_token_fraction=sum(m.reused_tokens for m in done) / max(sum(m.prompt_tokens for m in done), 1),
+        reused_token_fraction=sum(m.report.reused_tokens for m in done) / max(sum(m.report.prompt_tokens for m in done), 1),
         link_hit_rate=hits / (hits + misses) if hits + misses else None,
     )
 

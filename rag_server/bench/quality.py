@@ -54,7 +54,7 @@ from rag_server.bench.scoring import score_answer
 from rag_server.launch.repair_checkpoint import SHIPPED_DIR, choose_repair_checkpoint
 from rag_server.service.auto_policy import CalibrationTable
 from rag_server.service.first_token_quality import BUCKET_BOUNDS, bucket_labels, size_bucket
-from sglang_patches.first_token_report import exact_kl
+from sglang_patches.engine_report import exact_kl
 from sglang_patches.policies import parse_policy
 from sglang_patches.repair.checkpoint import RepairCheckpointError, checkpoint_identity
 
@@ -103,9 +103,9 @@ def _question_result(row: QARow, policy: str, measured: Measured, reference: Mea
     return QuestionResult(
         id=row.id, policy=policy, answer=measured.text, em=score.em, f1=score.f1,
         agrees_with_full=measured.text.strip() == reference.text.strip(), first_token_kl=kl,
-        ttft_s=round(measured.ttft_s, 4), prompt_tokens=measured.prompt_tokens,
-        reused_tokens=measured.reused_tokens, computed_tokens=measured.computed_tokens,
-        chunk_hits=measured.chunk_hits, chunk_misses=measured.chunk_misses,
+        ttft_s=round(measured.ttft_s, 4), prompt_tokens=measured.report.prompt_tokens,
+        reused_tokens=measured.report.reused_tokens, computed_tokens=measured.report.computed_tokens,
+        chunk_hits=measured.report.chunk_hits, chunk_misses=measured.report.chunk_misses,
     )
 
 

@@ -22,8 +22,8 @@ import numpy as np
 from rag_server.bench.transparency_requests import (CHAT, COMPILE_ROUTES, ENGINE, ENGINE_COMPILE, RAG, VANILLA, Prompt,
                                                     Request, Words)
 from rag_server.linking.chunk_compiler import compile_request, segments_to_compile
-from sglang_patches.first_token_report import META_KEY as FULL_LOGPROBS_KEY
-from sglang_patches.first_token_report import decode as decode_logprobs
+from sglang_patches.engine_report import FIRST_TOKEN_KEY as FULL_LOGPROBS_KEY
+from sglang_patches.engine_report import decode_floats as decode_logprobs
 from sglang_patches.link_hints import LinkRequest, hints_of, runtime_request
 
 

@@ -34,6 +34,7 @@ from rag_server.linking.chunk_compiler import ROUTING_KEY_HEADER, ChunkCompiler,
 from rag_server.linking.pipeline import GenerationError, LinkPipeline
 from rag_server.linking.reuse_gate import FAILED, PASSED, SKIPPED, Check, SelfCheckReport
 from retrieval.prompt_layout import PromptLayout, PromptPassage
+from sglang_patches.engine_report import EngineReport
 from sglang_patches.link_hints import LinkRequest
 from sglang_patches.selfcheck import SERVER_INFO_KEY
 
@@ -76,10 +77,6 @@ def _request_fields() -> dict[str, Any]:
 
 def _top(out: dict) -> dict[int, float]:
     return {token: logprob for logprob, token, _ in out["meta_info"]["output_top_logprobs"][0]}
-
-
-def _meta(out: dict) -> dict[str, Any]:
-    return out["meta_info"].get("cached_tokens_details") or {}
 
 
 def difference(out: dict, reference: dict, tolerance: Tolerance) -> Optional[str]:
@@ -174,11 +171,12 @@ class SelfCheck:
         route = passage_set_key(input_ids, link)
         await self._vanilla(chunk, route)
         reference = await self._vanilla(input_ids, route)
-        meta = _meta(naive)
-        if meta.get("picrag_chunk_hits") != 1 or meta.get("picrag_reused_tokens", 0) < len(chunk):
-            raise _CheckFailed(f"the compiled passage was not reused (chunk hits {meta.get('picrag_chunk_hits')}, "
-                               f"reused tokens {meta.get('picrag_reused_tokens')} of {len(chunk)})")
-        if int(reference["meta_info"].get("cached_tokens", 0)) < len(chunk):
+        counts = EngineReport.of(naive["meta_info"]).link
+        if counts is None or counts.chunk_hits != 1 or counts.reused_tokens < len(chunk):
+            hits, reused = (None, None) if counts is None else (counts.chunk_hits, counts.reused_tokens)
+            raise _CheckFailed(f"the compiled passage was not reused (chunk hits {hits}, "
+                               f"reused tokens {reused} of {len(chunk)})")
+        if EngineReport.of(reference["meta_info"]).cached_tokens < len(chunk):
             raise _CheckFailed("SGLang's prefix cache did not hold the passage")
         found = difference(naive, reference, tolerance)
         if found:
@@ -190,7 +188,8 @@ class SelfCheck:
         k = max(end - start for start, end in prompt.chunks)
         lego = await self._linked(prompt.input_ids, LinkRequest.of(f"legolink:{k}", prompt.chunks))
         full = await self._linked(prompt.input_ids, LinkRequest.of("full", prompt.chunks))
-        computed = _meta(lego).get("picrag_computed_tokens")
+        counts = EngineReport.of(lego["meta_info"]).link
+        computed = None if counts is None else counts.computed_tokens
         expected = len(prompt.input_ids) - len(self.layout.head_ids)
         if computed != expected:
             raise _CheckFailed(f"legolink:{k} computed {computed} tokens, not the {expected} after the head")

@@ -35,8 +35,7 @@ from rag_server.linking import sse
 from rag_server.linking.chunk_compiler import ROUTING_KEY_HEADER, ChunkCompiler, CompileError, passage_set_key
 from rag_server.linking.policy_resolver import PolicyResolver
 from rag_server.linking.selection import selected_runs
-from sglang_patches.context_attention import META_KEY as ATTENTION_KEY
-from sglang_patches.context_attention import decode as decode_attention
+from sglang_patches.engine_report import EngineReport
 from sglang_patches.link_hints import MISS_REFUSAL, MISS_REFUSAL_STATUS, LinkRequest, runtime_request
 
 logger = logging.getLogger(__name__)
@@ -60,14 +59,6 @@ class RuntimeDelta:
     meta: dict[str, Any]  # the runtime's meta_info; the last delta's carries the final counts
 
 
-def chunk_misses(meta_info: Optional[dict[str, Any]]) -> int:
-    """Chunks the engine did not find in its store: misses a new compile can mend. Chunks cut by
-    the request's own shape (`picrag_chunks_cut`: logprob_start_len inside a chunk, a chunk at
-    the prompt's end) would be cut again, so they are not counted."""
-    details = (meta_info or {}).get("cached_tokens_details") or {}
-    return int(details.get("picrag_chunk_misses", 0) or 0) - int(details.get("picrag_chunks_cut", 0) or 0)
-
-
 def refused(meta_info: Optional[dict[str, Any]]) -> bool:
     """The engine's answer to an `on_miss: refuse` link that missed a chunk on arrival."""
     reason = (meta_info or {}).get("finish_reason") or {}
@@ -75,13 +66,14 @@ def refused(meta_info: Optional[dict[str, Any]]) -> bool:
 
 
 def response_misses(body: bytes) -> int:
-    """Chunk misses reported by a non-streamed /generate answer (one object or a list)."""
+    """Chunk misses a new compile can mend (`relinkable_misses`: chunks cut by the request's own
+    shape would be cut again) reported by a non-streamed /generate answer (one object or a list)."""
     try:
         data = json.loads(body)
     except ValueError:
         return 0
     outputs = data if isinstance(data, list) else [data]
-    return sum(chunk_misses(out.get("meta_info")) for out in outputs if isinstance(out, dict))
+    return sum(EngineReport.of(out.get("meta_info")).relinkable_misses for out in outputs if isinstance(out, dict))
 
 
 async def first_event(chunks: AsyncIterator[bytes]) -> tuple[bytes, Optional[dict[str, Any]]]:
@@ -127,7 +119,7 @@ class Linked:
                 rest = response.aiter_raw()
                 head, event = await first_event(rest)
                 meta = (event or {}).get("meta_info")
-                return cls(response, head, rest, chunk_misses(meta), compile_s, refused(meta))
+                return cls(response, head, rest, EngineReport.of(meta).relinkable_misses, compile_s, refused(meta))
             head = await response.aread()
         except BaseException:
             await response.aclose()
@@ -246,10 +238,9 @@ class LinkPipeline:
             raise GenerationError(f"measuring the question's attention failed: {measured.head[:300]!r}",
                                   measured.response.status_code if 400 <= measured.response.status_code < 500
                                   else 502)
-        details = (json.loads(measured.head).get("meta_info") or {}).get("cached_tokens_details") or {}
-        if ATTENTION_KEY not in details:
+        scores = EngineReport.of(json.loads(measured.head).get("meta_info")).context_attention
+        if scores is None:
             raise GenerationError("the runtime reported no attention for a selecting link")
-        scores = decode_attention(details[ATTENTION_KEY])
         return dataclasses.replace(link, recompute=selected_runs(scores, link.chunks, link.k, link.ratio))
 
     async def _compile(self, input_ids: list[int], link: LinkRequest, skip_known: bool, route: str | None) -> float:

@@ -20,6 +20,7 @@ from rag_server.service.context_window import (ContextLimits, FittedPassages, Pr
                                                fit_passages)
 from rag_server.service.quality import QualityControl, QualitySettings
 from retrieval.prompt_layout import DEFAULT_SYSTEM_PROMPT, CompiledPrompt, PromptLayout, PromptLayoutError, Tokenizer
+from sglang_patches.engine_report import EngineReport
 from sglang_patches.link_hints import LinkRequest
 from sglang_patches.policies import PolicyError
 
@@ -82,15 +83,12 @@ class RagResult:
 
 
 def _usage(meta: dict[str, Any], prompt_tokens: int) -> RagUsage:
-    details = meta.get("cached_tokens_details") or {}
-    # Policies without chunk accounting (full, prefix) still report SGLang's own prefix hits.
-    reused = int(details.get("picrag_reused_tokens", meta.get("cached_tokens", 0)))
-    computed = int(details.get("picrag_computed_tokens", prompt_tokens - reused))
+    report = EngineReport.of(meta, prompt_tokens)
     return RagUsage(
-        prompt_tokens=int(meta.get("prompt_tokens", prompt_tokens)),
-        completion_tokens=int(meta.get("completion_tokens", 0)),
-        reused_tokens=reused,
-        computed_tokens=computed,
+        prompt_tokens=report.prompt_tokens,
+        completion_tokens=report.completion_tokens,
+        reused_tokens=report.reused_tokens,
+        computed_tokens=report.computed_tokens,
     )
 
 

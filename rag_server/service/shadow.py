@@ -38,7 +38,7 @@ import numpy as np
 
 from rag_server.linking.pipeline import GenerationError, LinkPipeline
 from rag_server.service.first_token_quality import QualityRecord, Sample
-from sglang_patches.first_token_report import META_KEY, decode, exact_kl
+from sglang_patches.engine_report import EngineReport, exact_kl
 from sglang_patches.link_hints import LinkRequest
 
 logger = logging.getLogger(__name__)
@@ -75,26 +75,17 @@ def first_token(body: bytes) -> FirstToken:
     `report_first_token`."""
     data = json.loads(body)
     out = data[0] if isinstance(data, list) else data
-    meta = out["meta_info"]
-    details = meta.get("cached_tokens_details") or {}
-    prompt_tokens = int(meta.get("prompt_tokens", 0))
-    reused = int(details.get("picrag_reused_tokens", meta.get("cached_tokens", 0)))
-    return FirstToken(
-        token=int(out["output_ids"][0]), logprobs=decode(details[META_KEY]),
-        computed_tokens=int(details.get("picrag_computed_tokens", prompt_tokens - reused)),
-    )
-
-
-def policy_name(link: LinkRequest) -> str:
-    """The canonical name of the policy `link` is served with ('legolink:16')."""
-    family = link.family
-    return family.policy(getattr(link, family.param) if family.param else None).name
+    report = EngineReport.of(out["meta_info"])
+    if report.first_token_logprobs is None:
+        raise KeyError("the runtime sent no first-token distribution")
+    return FirstToken(token=int(out["output_ids"][0]), logprobs=report.first_token_logprobs,
+                      computed_tokens=report.computed_tokens)
 
 
 def sample_name(link: LinkRequest, calibrated: Collection[str]) -> str:
     """The name a sample of `link` is filed under: its policy where `calibrated` (the calibration
     table's policies) lists it, else its policy family."""
-    name = policy_name(link)
+    name = link.policy_name
     return name if name in calibrated else link.family.name
 
 
