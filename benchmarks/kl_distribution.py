@@ -15,7 +15,7 @@ import math
 import statistics
 from pathlib import Path
 
-from rag_server.bench.common import percentile
+from rag_server.service.percentile import percentile
 from rag_server.bench.quality import read_run
 
 

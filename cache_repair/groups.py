@@ -24,7 +24,6 @@ data (row indices and caps), seeded, and written to the pairs manifest before an
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from retrieval.prompt_layout import PromptPassage, passage_text
+from retrieval.qa_rows import QARow, read_qa_rows
 
 SPLITS = ("train", "val")
 DISTRACTORS = ("random", "retrieved")
@@ -39,13 +39,6 @@ DISTRACTORS = ("random", "retrieved")
 
 class GroupsError(ValueError):
     pass
-
-
-@dataclass(frozen=True)
-class QARow:
-    question: str
-    answers: tuple[str, ...]
-    passage: PromptPassage
 
 
 @dataclass(frozen=True)
@@ -95,28 +88,28 @@ class GroupPlan:
                     for split, groups in data["groups"].items()})
 
 
-def read_qa_rows(path: Path) -> list[QARow]:
-    """One row per distinct gold passage of a shared-QA file with one passage per question
-    (NQ-open oracle): a second question on the same passage would put it twice in a group."""
+def training_rows(path: Path) -> list[QARow]:
+    """The rows of a shared-QA training file; an evaluation split is refused."""
     if ".dev." in Path(path).name:
         raise GroupsError(f"{path} is an evaluation split: train the repairer on training passages only")
+    return read_qa_rows(path)
+
+
+def gold_passage_rows(path: Path) -> list[QARow]:
+    """One row per distinct gold passage (its only passage) of a training file with one passage
+    per question (NQ-open oracle): a second question on the same passage would put it twice in a
+    group."""
     rows: dict[PromptPassage, QARow] = {}
-    with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            if len(record["passages"]) != 1:
-                raise GroupsError(f"{path}: expected one gold passage per question, got {len(record['passages'])}")
-            p = record["passages"][0]
-            passage = PromptPassage(p.get("title", ""), p["text"])
-            rows.setdefault(passage, QARow(record["question"], tuple(record["answers"]), passage))
+    for row in training_rows(path):
+        if len(row.passages) != 1:
+            raise GroupsError(f"{path}: expected one gold passage per question, got {len(row.passages)}")
+        rows.setdefault(row.passages[0], row)
     return list(rows.values())
 
 
 def distractor_rows(passages: list[PromptPassage]) -> list[QARow]:
     """Rows that only stand beside a question: a passage without one."""
-    return [QARow("", (), passage) for passage in passages]
+    return [QARow("", "", passages=(passage,)) for passage in passages]
 
 
 def retrieval_similarity(rows: list[QARow], embedder, questions: int | None = None) -> np.ndarray:
@@ -124,7 +117,7 @@ def retrieval_similarity(rows: list[QARow], embedder, questions: int | None = No
     retriever (retrieval.embedder.Embedder) embeds them; `questions`: how many leading rows carry
     a question (default all)."""
     questions = len(rows) if questions is None else questions
-    passages = embedder.embed_documents([passage_text(row.passage) for row in rows], progress=True)
+    passages = embedder.embed_documents([passage_text(row.passages[0]) for row in rows], progress=True)
     return embedder.embed_queries([row.question for row in rows[:questions]]) @ passages.T
 
 

@@ -36,6 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from cache_repair.groups import training_rows
 from sglang_patches.repair.config import RepairConfig, read_hf_config
 from sglang_patches.repair.network import chunk_ids_for
 from retrieval.prompt_layout import PromptLayout, PromptPassage
@@ -197,16 +198,8 @@ class PairMaker:
 
 
 def read_passages(path: Path) -> list[PromptPassage]:
-    """The distinct passages of a shared-QA JSONL file, in file order."""
-    if ".dev." in Path(path).name:
-        raise PairsError(f"{path} is an evaluation split: train the repairer on training passages only")
-    seen: dict[PromptPassage, None] = {}
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                for p in json.loads(line)["passages"]:
-                    seen.setdefault(PromptPassage(p.get("title", ""), p["text"]), None)
-    return list(seen)
+    """The distinct passages of a shared-QA training file, in file order."""
+    return list(dict.fromkeys(p for row in training_rows(path) for p in row.passages))
 
 
 def plan_groups(passages: int, groups: int, val_groups: int, seed: int) -> dict[str, list[list[int]]]:

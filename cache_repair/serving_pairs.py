@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from cache_repair.groups import (SPLITS, GroupPlan, GroupShape, QARow, distractor_rows, plan_groups,
-                                 read_qa_rows, retrieval_similarity)
+from cache_repair.groups import (SPLITS, GroupPlan, GroupShape, distractor_rows, gold_passage_rows, plan_groups,
+                                 retrieval_similarity)
 from cache_repair.pairs import (
     DEFAULT_DATA,
     MANIFEST_FILE,
@@ -67,7 +67,7 @@ class ServingPairs:
 
     def __init__(self, maker: PairMaker, rows: list[QARow], plan: GroupPlan):
         self.maker, self.rows, self.plan = maker, rows, plan
-        self.chunk_ids = {row: maker.passage_ids(rows[row].passage, cap) for row, cap in plan.caps.items()}
+        self.chunk_ids = {row: maker.passage_ids(rows[row].passages[0], cap) for row, cap in plan.caps.items()}
 
     def question_ids(self, row: int) -> list[int]:
         return self.maker.layout.question_ids(self.rows[row].question)
@@ -117,7 +117,7 @@ def generate_serving_pairs(
     `maker`: an already loaded PairMaker for `model_dir` (one is loaded otherwise).
     `distractor_pool`: more passages to retrieve distractors from (`cache_repair.distractor_pool`)."""
     out = Path(out)
-    rows = read_qa_rows(data)
+    rows = gold_passage_rows(data)
     questions = len(rows)
     if distractor_pool is not None:
         if shape.distractors != "retrieved":

@@ -3,11 +3,11 @@ picrag's meta_info fields and Prometheus counters."""
 
 from __future__ import annotations
 
-import re
 import time
 
 import pytest
 
+from rag_server.api.runtime_metrics import picrag_counters
 from retrieval.prompt_layout import PromptPassage
 from sglang_patches.engine_report import EngineReport, LinkCounts
 from sglang_patches.link_hints import link_hints
@@ -49,8 +49,7 @@ def logprobs_of(out: dict) -> list[float]:
 
 
 def counters(client) -> dict[str, float]:
-    text = client.get("/metrics").text
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^picrag_(\w+)_total (\S+)$", text, re.M)}
+    return picrag_counters(client.get("/metrics").text)
 
 
 def wait_for_counter(client, name: str, at_least: float, timeout_s: float = 60.0) -> dict[str, float]:

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from cache_repair.answer_loss import FrozenReader, answer_kl
 from cache_repair.distractor_pool import read_pool
-from cache_repair.groups import GroupsError, GroupShape, plan_groups, read_qa_rows
+from cache_repair.groups import GroupsError, GroupShape, gold_passage_rows, plan_groups
 from cache_repair.cli import register
 from cache_repair.pairs import Pair, PairMaker, PairsError, chunk_name, shard_paths
 from cache_repair.serving_pairs import generate_serving_pairs
@@ -41,7 +41,7 @@ def nq_file(shared_qa):
 
 @pytest.fixture(scope="module")
 def rows(nq_file):
-    return read_qa_rows(nq_file)
+    return gold_passage_rows(nq_file)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_plan_counts_questions_and_disjoint_splits(rows, shared_qa):
     assert plan_groups(len(rows), 150, 32, shape, seed=1).to_dict() != plan.to_dict()
     # Never a development passage.
     used = plan.rows("train") | plan.rows("val")
-    assert not {rows[r].passage.text.strip() for r in used} & dev_passage_texts(shared_qa)
+    assert not {rows[r].passages[0].text.strip() for r in used} & dev_passage_texts(shared_qa)
 
 
 def test_retrieved_distractors_are_the_passages_most_similar_to_the_question():
@@ -187,7 +187,7 @@ def test_the_boolq_distractor_pool_leaves_out_the_passages_the_default_corpus_se
 
 def test_dev_files_and_oversized_plans_are_refused(rows, shared_qa):
     with pytest.raises(GroupsError, match="evaluation split"):
-        read_qa_rows(shared_qa / "hotpotqa.dev.jsonl")
+        gold_passage_rows(shared_qa / "hotpotqa.dev.jsonl")
     with pytest.raises(GroupsError, match="too few"):
         plan_groups(len(rows), groups=2000, val_groups=32, shape=GroupShape(), seed=0)
 
@@ -205,7 +205,7 @@ def test_shards_hold_the_served_prompt_and_its_joint_prefill(serving_pairs, make
         assert len(paths) == count
         for path, group in zip(paths, manifest["groups"][split]):
             pair = Pair.load(path)
-            chunks = [maker.passage_ids(rows[r].passage, manifest["caps"][str(r)]) for r in group["passages"]]
+            chunks = [maker.passage_ids(rows[r].passages[0], manifest["caps"][str(r)]) for r in group["passages"]]
             assert pair.token_ids.tolist() == [t for ids in chunks for t in ids]
             assert pair.chunk_ids.tolist() == [i for i, ids in enumerate(chunks) for _ in ids]
             question = rows[group["question"]].question
@@ -213,7 +213,7 @@ def test_shards_hold_the_served_prompt_and_its_joint_prefill(serving_pairs, make
             assert pair.start == len(layout.head_ids)
             prompt = layout.head_ids + pair.token_ids.tolist() + pair.question_ids.tolist()
             # Uncut, the same pieces make exactly the prompt the server builds for this request.
-            passages = [rows[r].passage for r in group["passages"]]
+            passages = [rows[r].passages[0] for r in group["passages"]]
             uncut = [t for p in passages for t in maker.passage_ids(p, 10**6)]
             assert layout.build(question, passages).input_ids == layout.head_ids + uncut + pair.question_ids.tolist()
             # Every chunk ends with the passage separator: cut passages stay whole documents.

@@ -8,12 +8,13 @@ import json
 
 import pytest
 
-from rag_server.bench.batch_qa import AskOptions, Asker, BatchError, Question, read_answers, read_questions
+from rag_server.bench.batch_qa import AskOptions, Asker, BatchError, read_answers, read_questions
 from rag_server.api.chunk_markers import (CHUNK_BEGIN, CHUNK_END, Segment, link_marked_payload, mark_chunk,
                                       split_marked, tokenize_marked)
 from rag_server.cli import build_parser
 from rag_server.service.context_window import ContextLimits, PromptTooLong, ScoredPassage, fit_passages
 from retrieval.prompt_layout import PromptLayout, PromptPassage, passage_text
+from retrieval.qa_rows import QARow
 from rag_server.linking.policy_resolver import NamedPolicy, PolicyResolver
 from rag_server.service.rag_service import RagRequest, RagRequestError, RagService, keep_best
 from sglang_patches.link_hints import parse_link_request
@@ -145,10 +146,13 @@ def test_history_goes_into_the_head_and_leaves_chunks_alone(tokenizer, layout):
 def test_read_questions_and_answers(tmp_path):
     questions = tmp_path / "q.jsonl"
     questions.write_text('{"id": 1, "question": "A?", "answers": ["a"]}\n\n{"id": "2", "question": "B?"}\n')
-    assert read_questions(questions) == [Question("1", "A?", ["a"]), Question("2", "B?")]
+    assert read_questions(questions) == [QARow("1", "A?", ("a",)), QARow("2", "B?")]
     assert [q.id for q in read_questions(questions, limit=1)] == ["1"]
     questions.write_text('{"id": 1, "question": "A?"}\n{"id": 1, "question": "B?"}\n')
     with pytest.raises(BatchError, match="appears twice"):
+        read_questions(questions)
+    questions.write_text('{"id": 1, "question": "A?"}\n{"id": 2}\n')
+    with pytest.raises(BatchError, match="q.jsonl:2: a row needs `id` and `question`"):
         read_questions(questions)
     answers = tmp_path / "a.jsonl"
     answers.write_text(json.dumps({"id": "1", "answer": "x"}) + '\n{"id": "2", "ans')  # cut short
@@ -156,8 +160,8 @@ def test_read_questions_and_answers(tmp_path):
 
 
 def test_inline_passage_selection():
-    passages = [{"title": f"t{i}", "text": f"p{i}", "is_supporting": i in (1, 3)} for i in range(5)]
-    question = Question("1", "Q?", passages=passages)
+    question = QARow("1", "Q?", passages=tuple(PromptPassage(f"t{i}", f"p{i}") for i in range(5)),
+                     supporting=tuple(i in (1, 3) for i in range(5)))
     asker = Asker(AskOptions(url="http://unused", max_passages=2))
     assert [d["text"] for d in asker.documents(question)] == ["p0", "p1"]
     asker = Asker(AskOptions(url="http://unused", supporting_only=True))

@@ -16,8 +16,10 @@ from typing import TypeVar
 import httpx
 import pytest
 
-from rag_server.api.page import hit_rate, picrag_counters
-from rag_server.api.request_stats import Answered, RequestStats, percentile
+from rag_server.api.page import hit_rate
+from rag_server.api.runtime_metrics import picrag_counters
+from rag_server.api.request_stats import Answered, RequestStats
+from rag_server.service.percentile import percentile
 from tests.inprocess_frontend import frontend
 
 QUESTION = "What colour is the lighthouse door?"
@@ -32,13 +34,14 @@ WAIT_S = 300.0
 T = TypeVar("T")
 
 
-def test_percentile_nearest_rank():
+def test_percentile_interpolates_linearly_between_ranks():
     samples = [float(v) for v in range(1, 11)]
-    assert percentile(samples, 0.5) == 5.0
-    assert percentile(samples, 0.9) == 9.0
-    assert percentile(list(reversed(samples)), 0.9) == 9.0
-    assert percentile([7.0], 0.9) == 7.0
-    assert percentile([], 0.5) is None
+    assert percentile(samples, 50) == 5.5
+    assert percentile(samples, 90) == pytest.approx(9.1)
+    assert percentile(list(reversed(samples)), 90) == pytest.approx(9.1)
+    assert percentile(samples, 0) == 1.0 and percentile(samples, 100) == 10.0
+    assert percentile([7.0], 90) == 7.0
+    assert percentile([], 50) is None
 
 
 def test_request_stats_per_policy():
@@ -49,9 +52,9 @@ def test_request_stats_per_policy():
     summary = stats.summary()
     assert summary["requests"] == 4
     assert summary["policies"]["naive"] == {
-        "requests": 3, "reused_tokens": 120, "computed_tokens": 15, "ttft_p50_ms": 20.0, "ttft_p90_ms": 30.0}
+        "requests": 3, "reused_tokens": 120, "computed_tokens": 15, "ttft_p50_ms": 20.0, "ttft_p90_ms": 28.0}
     assert summary["policies"]["full"]["ttft_p50_ms"] == 100.0
-    assert (summary["ttft_p50_ms"], summary["ttft_p90_ms"]) == (20.0, 100.0)
+    assert (summary["ttft_p50_ms"], summary["ttft_p90_ms"]) == pytest.approx((25.0, 79.0))
     assert [r["policy"] for r in summary["recent"]] == ["naive", "naive", "naive", "full"]
 
 

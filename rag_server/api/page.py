@@ -23,6 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse
 
 from rag_server.api.request_stats import request_stats
+from rag_server.api.runtime_metrics import picrag_counters
 from rag_server.api.state import frontend
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,6 @@ PAGE_FILES = {
     "/page.css": ("page.css", "text/css; charset=utf-8"),
 }
 PAGE_PATHS = frozenset(PAGE_FILES)
-COUNTER_PREFIX = "picrag_"
 
 router = APIRouter(tags=["page"])
 
@@ -74,20 +74,6 @@ async def stats(request: Request) -> dict:
         logger.warning("runtime /metrics for /picrag/stats failed: %s", exc)
         return {**summary, "cache": None, "cache_error": f"runtime /metrics: {exc}"}
     return {**summary, "cache": {"counters": counters, "chunk_hit_rate": hit_rate(counters)}, "cache_error": None}
-
-
-def picrag_counters(metrics_text: str) -> dict[str, float]:
-    """Every picrag counter in a Prometheus text exposition, by its name without the prefix
-    (`picrag_chunk_hits_total` -> `chunk_hits`), summed over label sets (one per process)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    counters: dict[str, float] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        if family.type != "counter" or not family.name.startswith(COUNTER_PREFIX):
-            continue
-        total = sum(s.value for s in family.samples if s.name == f"{family.name}_total")
-        counters[family.name.removeprefix(COUNTER_PREFIX)] = total
-    return counters
 
 
 def hit_rate(counters: dict[str, float]) -> float | None:

@@ -8,26 +8,17 @@ policy served each request and how long its first token took, compiling included
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Optional
 
 from fastapi import Request
 
+from rag_server.service.percentile import percentile
 from sglang_patches.policies import PolicyError, parse_policy
 
 # TTFT samples kept per policy for its percentiles, and requests kept for the recent-TTFT chart.
 TTFT_WINDOW = 500
 RECENT_REQUESTS = 60
-
-
-def percentile(samples: list[float], q: float) -> Optional[float]:
-    """Nearest-rank percentile (q in 0..1) of `samples`; None for no samples."""
-    if not samples:
-        return None
-    ordered = sorted(samples)
-    return ordered[max(math.ceil(q * len(ordered)) - 1, 0)]
 
 
 @dataclass
@@ -43,8 +34,8 @@ class PolicyStats:
             "requests": self.requests,
             "reused_tokens": self.reused_tokens,
             "computed_tokens": self.computed_tokens,
-            "ttft_p50_ms": percentile(samples, 0.5),
-            "ttft_p90_ms": percentile(samples, 0.9),
+            "ttft_p50_ms": percentile(samples, 50),
+            "ttft_p90_ms": percentile(samples, 90),
         }
 
 
@@ -84,8 +75,8 @@ class RequestStats:
         samples = [ms for stats in self._policies.values() for ms in stats.ttft_ms]
         return {
             "requests": sum(stats.requests for stats in self._policies.values()),
-            "ttft_p50_ms": percentile(samples, 0.5),
-            "ttft_p90_ms": percentile(samples, 0.9),
+            "ttft_p50_ms": percentile(samples, 50),
+            "ttft_p90_ms": percentile(samples, 90),
             "policies": {name: stats.summary() for name, stats in sorted(self._policies.items())},
             "recent": [asdict(answered) for answered in self._recent],
         }

@@ -20,11 +20,27 @@ logger = logging.getLogger(__name__)
 
 CONNECTIONS = 2
 FETCH_TIMEOUT_S = 30.0
+COUNTER_PREFIX = "picrag_"
 
 
 def metrics_client(runtime_url: str, connect_timeout_s: float) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=runtime_url, timeout=httpx.Timeout(FETCH_TIMEOUT_S, connect=connect_timeout_s),
                              limits=httpx.Limits(max_connections=CONNECTIONS))
+
+
+def picrag_counters(metrics_text: str) -> dict[str, float]:
+    """Every picrag counter in a Prometheus text exposition (the engine's /metrics, the frontend's
+    /picrag/metrics), by its name without the prefix (`picrag_chunk_hits_total` -> `chunk_hits`),
+    summed over label sets (one per process, or per policy and prompt size)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counters: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.type != "counter" or not family.name.startswith(COUNTER_PREFIX):
+            continue
+        total = sum(s.value for s in family.samples if s.name == f"{family.name}_total")
+        counters[family.name.removeprefix(COUNTER_PREFIX)] = total
+    return counters
 
 
 router = APIRouter()

@@ -1,7 +1,6 @@
 """`picrag ask`: answer a JSONL file of questions through a running picrag server.
 
-Rows follow the shared QA format (`id`, `question`, optional gold `answers`, optional
-`passages` of `{"title", "text", "is_supporting"}`). Passages come, in this order of
+Rows follow the shared QA format (retrieval/qa_rows.py). Passages come, in this order of
 preference, from a local index (`--index DIR`, retrieved here and sent inline with their
 scores), from the row itself, or from the server's own index. Every answer is appended to
 `--out` as soon as it arrives, so an interrupted run resumes where it stopped: ids already in
@@ -13,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -21,6 +20,7 @@ import httpx
 from tqdm import tqdm
 
 from rag_server.bench.scoring import Score, mean_scores, score_answer
+from retrieval.qa_rows import QARow, QARowError, read_qa_rows
 
 if TYPE_CHECKING:
     from retrieval.retriever import Retriever
@@ -31,14 +31,6 @@ DEFAULT_MAX_TOKENS = 32
 
 class BatchError(RuntimeError):
     """A problem that stops the whole run (bad input file, server unreachable)."""
-
-
-@dataclass(frozen=True)
-class Question:
-    id: str
-    question: str
-    answers: list[str] = field(default_factory=list)
-    passages: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -53,24 +45,16 @@ class AskOptions:
     timeout_s: float = 600.0
 
 
-def read_questions(path: Path, limit: int | None = None) -> list[Question]:
-    questions: list[Question] = []
+def read_questions(path: Path, limit: int | None = None) -> list[QARow]:
+    try:
+        questions = read_qa_rows(path, limit)
+    except QARowError as exc:
+        raise BatchError(str(exc)) from exc
     seen: set[str] = set()
-    with path.open(encoding="utf-8") as rows:
-        for number, line in enumerate(rows, 1):
-            if limit is not None and len(questions) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                qid, text = str(row["id"]), row["question"]
-            except (ValueError, KeyError, TypeError) as exc:
-                raise BatchError(f"{path}:{number}: need a JSON object with `id` and `question` ({exc})") from exc
-            if qid in seen:
-                raise BatchError(f"{path}:{number}: id {qid!r} appears twice (ids make runs resumable)")
-            seen.add(qid)
-            questions.append(Question(qid, text, list(row.get("answers") or []), row.get("passages")))
+    for question in questions:
+        if question.id in seen:
+            raise BatchError(f"{path}: id {question.id!r} appears twice (ids make runs resumable)")
+        seen.add(question.id)
     return questions
 
 
@@ -99,21 +83,19 @@ class Asker:
     def close(self) -> None:
         self.client.close()
 
-    def documents(self, question: Question) -> list[dict[str, Any]] | None:
+    def documents(self, question: QARow) -> list[dict[str, Any]] | None:
         options = self.options
         if self.retriever is not None:
             found = self.retriever.search(question.question, options.top_k or 5)
             return [{"id": p.id, "title": p.title, "text": p.text, "score": p.score} for p in found]
         if options.server_index or not question.passages:
             return None
-        passages = question.passages
-        if options.supporting_only:
-            passages = [p for p in passages if p.get("is_supporting")]
+        passages = question.supporting_passages if options.supporting_only else question.passages
         if options.max_passages is not None:
             passages = passages[: options.max_passages]
-        return [{"title": p.get("title", ""), "text": p["text"]} for p in passages] or None
+        return [{"title": p.title, "text": p.text} for p in passages] or None
 
-    def ask(self, question: Question) -> dict[str, Any]:
+    def ask(self, question: QARow) -> dict[str, Any]:
         body: dict[str, Any] = {"question": question.question, "max_tokens": self.options.max_tokens,
                                 "temperature": 0.0}
         documents = self.documents(question)
@@ -150,7 +132,7 @@ class BatchSummary:
     scored: int
 
 
-def summarise(questions: Iterable[Question], answers: dict[str, dict[str, Any]], new: int, failed: int) -> BatchSummary:
+def summarise(questions: Iterable[QARow], answers: dict[str, dict[str, Any]], new: int, failed: int) -> BatchSummary:
     questions = list(questions)
     done = [q for q in questions if q.id in answers]
     # Re-scored from the stored answer text, so rows from earlier runs count the same way.

@@ -12,10 +12,9 @@ round trips included.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-import json
 import logging
-import math
 import os
 import platform
 import random
@@ -23,7 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -31,9 +30,11 @@ from typing import Any
 import httpx
 import numpy as np
 
+from rag_server.api.runtime_metrics import picrag_counters
 from rag_server.linking import sse
 from rag_server.linking.chunk_compiler import compile_request, segments_to_compile
 from retrieval.prompt_layout import CompiledPrompt, PromptLayout, PromptPassage
+from retrieval.qa_rows import QARow, QARowError, read_qa_rows
 from sglang_patches.engine_report import EngineReport
 from sglang_patches.link_hints import LinkRequest, link_hints
 from sglang_patches.policies import PolicyError, parse_policy
@@ -109,15 +110,6 @@ def unavailable_entries(choices: Iterable[PolicyChoice]) -> list[dict[str, str]]
     return [{"policy": c.name, "reason": c.reason} for c in choices if not c.available]
 
 
-@dataclass(frozen=True)
-class QARow:
-    id: str
-    question: str
-    answers: list[str]
-    passages: list[PromptPassage]
-    supporting: list[bool] = field(default_factory=list)  # per passage: the dataset marks it supporting
-
-
 def with_unrelated_distractors(rows: list[QARow], seed: int = 0) -> list[QARow]:
     """The same questions with every passage the dataset does not mark supporting replaced, in
     place, by a passage of another question (seeded): distractors off the question's topic, where
@@ -126,9 +118,9 @@ def with_unrelated_distractors(rows: list[QARow], seed: int = 0) -> list[QARow]:
     replaced = []
     for index, row in enumerate(rows):
         others = [p for j, other in enumerate(rows) if j != index for p in other.passages]
-        passages = [p if keep else rng.choice(others)
-                    for p, keep in zip(row.passages, row.supporting or [False] * len(row.passages))]
-        replaced.append(QARow(row.id, row.question, row.answers, passages, row.supporting))
+        passages = tuple(p if keep else rng.choice(others)
+                         for p, keep in zip(row.passages, row.supporting or [False] * len(row.passages)))
+        replaced.append(dataclasses.replace(row, passages=passages))
     return replaced
 
 
@@ -140,24 +132,17 @@ def add_dataset_arguments(parser) -> None:
 
 
 def read_rows(path: Path, limit: int | None, max_passages: int | None) -> list[QARow]:
-    rows: list[QARow] = []
-    with path.open(encoding="utf-8") as lines:
-        for line in lines:
-            if limit is not None and len(rows) >= limit:
-                break
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            records = row.get("passages") or []
-            if not records:
-                raise BenchError(f"{path}: row {row.get('id')} has no passages (the benchmark needs inline passages)")
-            records = records[:max_passages] if max_passages is not None else records
-            rows.append(QARow(str(row["id"]), row["question"], list(row.get("answers") or []),
-                              [PromptPassage(p.get("title", ""), p["text"]) for p in records],
-                              [bool(p.get("is_supporting")) for p in records]))
+    try:
+        rows = read_qa_rows(path, limit)
+    except QARowError as exc:
+        raise BenchError(str(exc)) from exc
+    for row in rows:
+        if not row.passages:
+            raise BenchError(f"{path}: row {row.id} has no passages (the benchmark needs inline passages)")
     if not rows:
         raise BenchError(f"{path}: no questions")
-    return rows
+    return [dataclasses.replace(row, passages=row.passages[:max_passages], supporting=row.supporting[:max_passages])
+            for row in rows]
 
 
 def model_path_of(url: str, model: str | None) -> Path:
@@ -244,24 +229,7 @@ def chunk_counters(client: httpx.Client, route: str = "/metrics") -> dict[str, f
     """picrag's Prometheus counters (`picrag_<name>_total`) by name: the engine's on `/metrics`,
     the frontend's on `/picrag/metrics`; {} where the route is off or absent."""
     response = client.get(route)
-    if response.status_code != 200:
-        return {}
-    counters = {}
-    for line in response.text.splitlines():
-        name, _, value = line.partition(" ")
-        if name.startswith("picrag_") and name.endswith("_total"):
-            counters[name[len("picrag_"):-len("_total")]] = float(value)
-    return counters
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated percentile (q in 0..100); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low, high = math.floor(rank), math.ceil(rank)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    return picrag_counters(response.text) if response.status_code == 200 else {}
 
 
 def fmt(value: Any, digits: int = 2) -> str:

@@ -56,7 +56,6 @@ from rag_server.bench.common import (
     measure,
     model_path_of,
     parse_policies,
-    percentile,
     read_rows,
     render_table,
     reporting_errors,
@@ -65,6 +64,7 @@ from rag_server.bench.common import (
     unavailable_entries,
 )
 from rag_server.launch.runtime import RuntimeConfig, SGLangRuntime, cuda_available
+from rag_server.service.percentile import percentile
 from retrieval.prompt_layout import CompiledPrompt
 
 VANILLA = "vanilla"

@@ -31,7 +31,6 @@ from rag_server.bench.common import (
     BenchError,
     Measured,
     PolicyChoice,
-    QARow,
     add_dataset_arguments,
     add_server_arguments,
     command_line,
@@ -41,7 +40,6 @@ from rag_server.bench.common import (
     measure,
     model_path_of,
     parse_policies,
-    percentile,
     read_rows,
     render_table,
     reporting_errors,
@@ -54,6 +52,8 @@ from rag_server.bench.scoring import score_answer
 from rag_server.launch.repair_checkpoint import SHIPPED_DIR, choose_repair_checkpoint
 from rag_server.service.auto_policy import CalibrationTable
 from rag_server.service.first_token_quality import BUCKET_BOUNDS, bucket_labels, size_bucket
+from rag_server.service.percentile import percentile
+from retrieval.qa_rows import QARow
 from sglang_patches.engine_report import exact_kl
 from sglang_patches.policies import parse_policy
 from sglang_patches.repair.checkpoint import RepairCheckpointError, checkpoint_identity
