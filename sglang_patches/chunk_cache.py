@@ -3,9 +3,10 @@
 It is SGLang's own `RadixCache`, with two namespaces added through `extra_key`:
 
 * ``picrag:chunk`` holds every compiled chunk's KV, computed alone at positions 0..n-1 and
-  keyed by the chunk's token ids (one server serves one model, so the model is implicit in
-  the tree; the persistent tier adds the model fingerprint). Shared chunk prefixes share nodes,
-  which is exact because they sit at the same local positions.
+  keyed by the chunk's token ids behind a digest of the whole chunk
+  (sglang_patches.tree_keys.store_key: two chunks never share nodes, so a stored chunk's KV is
+  its own compile's). One server serves one model, so the model is implicit in the tree; the
+  persistent tier adds the model fingerprint.
 * ``picrag:<policy>:...`` holds linked prompts. When a request of a chunk-reusing policy arrives,
   the chunks that directly follow its longest matched prefix are *grafted*: fresh pool slots
   receive each stored chunk's keys rotated to the chunk's offset (values copied), and that
@@ -71,7 +72,7 @@ from sglang_patches.link_plan import PLAN_ATTR, LinkPlan, build_plan
 from sglang_patches.repair.kv_repair import RepairPart, RepairSpan, repair_spans
 from sglang_patches.request_guard import EngineSettings, admitted_link, client_namespace, shape_of_req
 from sglang_patches.rope_shift import KeyShifter
-from sglang_patches.tree_keys import NAMESPACE_PREFIX
+from sglang_patches.tree_keys import NAMESPACE_PREFIX, store_key
 
 logger = logging.getLogger(__name__)
 
@@ -312,7 +313,7 @@ class ChunkRadixCache(RadixCache):
     # ---- grafting --------------------------------------------------------------------
 
     def _find_chunk(self, token_ids) -> Optional[tuple[TreeNode, torch.Tensor]]:
-        key = RadixKey(array("q", token_ids), CHUNK_NAMESPACE)
+        key = RadixKey(store_key(token_ids), CHUNK_NAMESPACE)
         values, node = self._match_prefix_helper(self.root_node, key)
         if sum(len(v) for v in values) != len(key):
             return None
@@ -358,7 +359,7 @@ class ChunkRadixCache(RadixCache):
         for index, layer_id in enumerate(range(pool.start_layer, pool.start_layer + pool.layer_num)):
             pool.get_key_buffer(layer_id)[slots] = keys[index].to(pool.get_key_buffer(layer_id).device)
             pool.get_value_buffer(layer_id)[slots] = values[index].to(pool.get_value_buffer(layer_id).device)
-        key = RadixKey(array("q", token_ids), CHUNK_NAMESPACE)
+        key = RadixKey(store_key(token_ids), CHUNK_NAMESPACE)
         inserted = self.insert(InsertParams(key=key, value=slots))
         # A prefix shared with another cached chunk was already in the tree: its copy is spare.
         self.token_to_kv_pool_allocator.free(slots[: inserted.prefix_len])

@@ -21,7 +21,7 @@ from sglang_patches.engine_report import LinkCounts
 from sglang_patches.reordered_layout import reordered_layout
 from sglang_patches.link_hints import REORDERED_LAYOUT, LinkRequest
 from sglang_patches.policies import PolicyFamily
-from sglang_patches.tree_keys import namespace_of, prompt_key
+from sglang_patches.tree_keys import namespace_of, prompt_key, store_key
 
 PLAN_ATTR = "picrag_plan"
 HEAD = -1  # Segment.chunk of the head
@@ -154,7 +154,10 @@ def build_plan(prompt: list[int], link: LinkRequest, repair_digest: Optional[str
     if link.report_attention:
         # The question follows the last chunk in either order.
         stats.context_attention = AttentionReport(question_start=link.chunks[-1][1] if link.chunks else 0)
-    if link.compile or not family.reuses_chunks:
+    if link.compile:
+        # The whole prompt is one chunk, filed under the store's key.
+        return LinkPlan(link, tuple(prompt), (), (), None, store_key(prompt), None, False, stats)
+    if not family.reuses_chunks:
         return LinkPlan(link, tuple(prompt), (), (), None, None, None, False, stats)
     segments = tuple(_segments(prompt, link))
     reordered = link.layout == REORDERED_LAYOUT

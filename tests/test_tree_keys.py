@@ -12,6 +12,7 @@ first-K tokens, and CacheRepair chunks that start alike and end differently.
 from __future__ import annotations
 
 import dataclasses
+from array import array
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 from sglang_patches.link_hints import LinkRequest, runtime_request
 from sglang_patches.link_plan import LinkPlan, build_plan
 from sglang_patches.reordered_layout import merge_runs
+from sglang_patches.tree_keys import SEGMENT_START, store_key
 from sglang_patches.request_guard import RequestShape, admitted_link
 from tests.engine_routing import BOS
 from tests.test_cache_integrity import ENGINE
@@ -167,3 +169,13 @@ def test_a_plan_is_the_same_for_the_same_request():
     for policy in POLICIES:
         first, second = (admitted_plan(prompt, policy, chunks, DIGESTS[0]) for _ in range(2))
         assert (first.namespace, first.tree_key, first.order) == (second.namespace, second.tree_key, second.order)
+
+
+def test_stored_chunks_share_no_nodes_not_even_a_common_start():
+    """A stored chunk's KV is its own compile's (store_key): a chunk compiled after another that
+    starts alike does not read the other's KV for the common part."""
+    chunk = list(range(20, 60))
+    other = chunk[:39] + list(range(100, 120))
+    assert store_key(chunk)[1:] == array("q", chunk[1:]) and store_key(chunk)[0] >= SEGMENT_START
+    assert store_key(chunk)[0] != store_key(other)[0]
+    assert store_key(chunk) == store_key(list(chunk))
