@@ -24,15 +24,15 @@ boundaries; so the DSL needs no change and the same passage hits the same cache 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import requests
 
 from rag_server.api.chunk_markers import mark_chunk, strip_markers
+from retrieval.passage import Passage
 from retrieval.prompt_layout import PromptPassage, passage_text
 
-__all__ = ["RetrievedPassage", "chunk", "retrieve", "strip_markers"]
+__all__ = ["chunk", "retrieve", "strip_markers"]
 
 
 def chunk(text: str, title: str = "") -> str:
@@ -41,14 +41,6 @@ def chunk(text: str, title: str = "") -> str:
         # Also stops SGLang's prefix tracer, which calls programs with placeholder arguments.
         raise TypeError("chunk() takes the passage text (and title) as strings")
     return mark_chunk(passage_text(PromptPassage(title, text)))
-
-
-@dataclass(frozen=True)
-class RetrievedPassage:
-    id: str
-    title: str
-    text: str
-    score: float | None
 
 
 def _base_url(where: Any) -> str:
@@ -62,10 +54,10 @@ def _base_url(where: Any) -> str:
     return base_url.rstrip("/")
 
 
-def retrieve(where: Any, question: str, k: int = 5, timeout_s: float = 60.0) -> list[RetrievedPassage]:
+def retrieve(where: Any, question: str, k: int = 5, timeout_s: float = 60.0) -> list[Passage]:
     """The `k` passages the server's index (`picrag serve --index DIR`) returns, best first."""
     response = requests.post(f"{_base_url(where)}/rag/retrieve", json={"question": question, "top_k": k},
                              timeout=timeout_s)
     if response.status_code != 200:
         raise RuntimeError(f"picrag /rag/retrieve answered {response.status_code}: {response.text[:300]}")
-    return [RetrievedPassage(**p) for p in response.json()["passages"]]
+    return [Passage(p["id"], p["title"], p["text"], score=p["score"]) for p in response.json()["passages"]]

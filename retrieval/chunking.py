@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from retrieval.ingest import Document
 from retrieval.passage import Passage
 
 logger = logging.getLogger(__name__)
@@ -67,7 +66,7 @@ def chunk_text(text: str, count_tokens: TokenCounter, max_tokens: int = DEFAULT_
     return chunks
 
 
-def chunk_document(document: Document, count_tokens: TokenCounter,
+def chunk_document(document: Passage, count_tokens: TokenCounter,
                    max_tokens: int = DEFAULT_MAX_TOKENS) -> list[Passage]:
     texts = chunk_text(document.text, count_tokens, max_tokens)
     return [
@@ -78,7 +77,7 @@ def chunk_document(document: Document, count_tokens: TokenCounter,
     ]
 
 
-def chunk_documents(documents: Iterable[Document], count_tokens: TokenCounter,
+def chunk_documents(documents: Iterable[Passage], count_tokens: TokenCounter,
                     max_tokens: int = DEFAULT_MAX_TOKENS) -> list[Passage]:
     """Passages of all documents in order, each content id once (the first occurrence wins)."""
     passages: dict[str, Passage] = {}

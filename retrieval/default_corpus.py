@@ -22,8 +22,7 @@ from typing import Optional
 
 from retrieval.chunking import DEFAULT_MAX_TOKENS, chunk_documents
 from retrieval.index import index_exists, index_lock
-from retrieval.ingest import Document
-from retrieval.passage import passage_id
+from retrieval.passage import Passage, passage_id
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +65,9 @@ def package_file(source: str) -> Path:
     return path
 
 
-def read_corpus(limit: Optional[int] = None) -> list[Document]:
+def read_corpus(limit: Optional[int] = None) -> list[Passage]:
     """The corpus's distinct passages in file order; `limit`: the first `limit` of them."""
-    documents: list[Document] = []
+    documents: list[Passage] = []
     for document in _documents():
         if limit is not None and len(documents) >= limit:
             break
@@ -76,7 +75,7 @@ def read_corpus(limit: Optional[int] = None) -> list[Document]:
     return documents
 
 
-def _documents() -> Iterator[Document]:
+def _documents() -> Iterator[Passage]:
     seen: set[str] = set()
     for (source, count), path in zip(SOURCES, corpus_files()):
         taken = 0
@@ -93,7 +92,7 @@ def _documents() -> Iterator[Document]:
                     continue
                 seen.add(doc_id)
                 taken += 1
-                yield Document(id=doc_id, title=str(row.get("title") or ""), text=text,
+                yield Passage(id=doc_id, title=str(row.get("title") or ""), text=text,
                                metadata={"source": f"{PACKAGE}=={PACKAGE_VERSION}:{source}"})
 
 

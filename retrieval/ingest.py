@@ -2,12 +2,13 @@
 
 JSONL rows are either one document each (`text`, optional `title`, `id`, `metadata` and any
 other keys, which become metadata) or rows of the shared QA format (a `passages` list of
-`{"title", "text", ...}`), whose passages each become a document.
+`{"title", "text", ...}`), whose passages each become a document. A document is a Passage
+before chunking (retrieval/chunking.py): its `id` is the source's own id, else the content id
+of its text.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import re
@@ -15,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from retrieval.passage import passage_id
+from retrieval.passage import Passage, passage_id
 
 logger = logging.getLogger(__name__)
 
@@ -25,17 +26,7 @@ _RESERVED_KEYS = frozenset({"id", "title", "text", "metadata"})
 _MARKDOWN_TITLE = re.compile(r"^#\s+(.+?)\s*#*\s*$", re.MULTILINE)
 
 
-@dataclasses.dataclass(frozen=True)
-class Document:
-    """A text before chunking; `id` is the source's own id, else the content id of the text."""
-
-    id: str
-    title: str
-    text: str
-    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-def read_documents(paths: Iterable[str | Path]) -> Iterator[Document]:
+def read_documents(paths: Iterable[str | Path]) -> Iterator[Passage]:
     """Documents of every corpus file under `paths`; folders are walked in sorted order."""
     for path in map(Path, paths):
         if not path.exists():
@@ -50,14 +41,14 @@ def read_documents(paths: Iterable[str | Path]) -> Iterator[Document]:
             yield from read_file(path)
 
 
-def read_file(path: Path) -> Iterator[Document]:
+def read_file(path: Path) -> Iterator[Passage]:
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         yield from _read_jsonl(path)
     elif suffix in TEXT_SUFFIXES:
         text = path.read_text(encoding="utf-8")
         if text.strip():
-            yield Document(id=passage_id(text), title=_text_file_title(path, text), text=text,
+            yield Passage(id=passage_id(text), title=_text_file_title(path, text), text=text,
                            metadata={"source": str(path)})
     else:
         raise ValueError(f"unsupported corpus file {path}: expected one of {sorted(CORPUS_SUFFIXES)}")
@@ -71,7 +62,7 @@ def _text_file_title(path: Path, text: str) -> str:
     return path.stem
 
 
-def _read_jsonl(path: Path) -> Iterator[Document]:
+def _read_jsonl(path: Path) -> Iterator[Passage]:
     with path.open(encoding="utf-8") as lines:
         for line_number, line in enumerate(lines, start=1):
             if not line.strip():
@@ -91,7 +82,7 @@ def _read_jsonl(path: Path) -> Iterator[Document]:
                     yield document
 
 
-def _document_row(row: dict[str, Any], path: Path, where: str) -> Document | None:
+def _document_row(row: dict[str, Any], path: Path, where: str) -> Passage | None:
     text = row.get("text")
     if not isinstance(text, str):
         raise ValueError(f"{where}: a row needs a string 'text' (or a 'passages' list)")
@@ -102,14 +93,14 @@ def _document_row(row: dict[str, Any], path: Path, where: str) -> Document | Non
     if isinstance(row.get("metadata"), dict):
         metadata.update(row["metadata"])
     doc_id = str(row["id"]) if row.get("id") is not None else passage_id(text)
-    return Document(id=doc_id, title=str(row.get("title") or ""), text=text, metadata=metadata)
+    return Passage(id=doc_id, title=str(row.get("title") or ""), text=text, metadata=metadata)
 
 
-def _qa_row_documents(row: dict[str, Any], path: Path, where: str) -> Iterator[Document]:
+def _qa_row_documents(row: dict[str, Any], path: Path, where: str) -> Iterator[Passage]:
     for number, passage in enumerate(row["passages"]):
         text = passage.get("text") if isinstance(passage, dict) else None
         if not isinstance(text, str):
             raise ValueError(f"{where}: passage {number} needs a string 'text'")
         if text.strip():
-            yield Document(id=passage_id(text), title=str(passage.get("title") or ""), text=text,
+            yield Passage(id=passage_id(text), title=str(passage.get("title") or ""), text=text,
                            metadata={"source": str(path), "qa_id": row.get("id")})

@@ -8,6 +8,8 @@ import re
 import unicodedata
 from typing import Any
 
+from retrieval.prompt_layout import PromptPassage
+
 _WHITESPACE = re.compile(r"\s+")
 
 
@@ -41,6 +43,9 @@ class Passage:
         """What the embedder sees: a later chunk of a long document may never name its subject,
         the title does."""
         return f"{self.title}\n{self.text.strip()}" if self.title else self.text.strip()
+
+    def prompt_passage(self) -> PromptPassage:
+        return PromptPassage(self.title, self.text)
 
     def with_score(self, score: float) -> Passage:
         return dataclasses.replace(self, score=score)

@@ -106,11 +106,14 @@ class PromptLayout:
         return self.encode(question_text(question) + self.tail_text)
 
     def build(self, question: str, passages: Sequence[PromptPassage]) -> CompiledPrompt:
+        return self.assemble([self.passage_ids(passage) for passage in passages], self.question_ids(question))
+
+    def assemble(self, pieces: Sequence[Sequence[int]], question_ids: Sequence[int]) -> CompiledPrompt:
+        """The prompt from passages and a question already tokenized (`passage_ids`, `question_ids`)."""
         ids = list(self.head_ids)
         chunks = []
-        for passage in passages:
-            piece = self.passage_ids(passage)
+        for piece in pieces:
             chunks.append((len(ids), len(ids) + len(piece)))
             ids.extend(piece)
-        ids.extend(self.question_ids(question))
+        ids.extend(question_ids)
         return CompiledPrompt(input_ids=ids, chunks=chunks)

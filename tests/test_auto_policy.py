@@ -13,12 +13,13 @@ import pytest
 from rag_server.cli import build_parser
 from rag_server.service.auto_policy import (CALIBRATION_DIR, AutoPolicy, CalibrationError, CalibrationTable,
                                             shipped_table)
-from rag_server.service.context_window import ContextLimits, ScoredPassage
+from rag_server.service.context_window import ContextLimits
 from rag_server.service.first_token_quality import QualityRecord, Sample
 from rag_server.service.quality import QualityControl, QualitySettings
 from rag_server.linking.policy_resolver import NamedPolicy, PolicyResolver
 from rag_server.service.rag_service import RagRequest, RagService
 from rag_server.launch.repair_checkpoint import SHIPPED_DIR
+from retrieval.passage import Passage
 
 TABLE = CalibrationTable(
     model="test",
@@ -135,7 +136,7 @@ def test_auto_is_a_policy_name_at_every_edge():
             build_parser().parse_args(["serve", *bad])
 
 
-PASSAGES = [ScoredPassage("a", "A", "Alpha is the first letter. " * 5), ScoredPassage("b", "B", "Beta comes next.")]
+PASSAGES = [Passage("a", "A", "Alpha is the first letter. " * 5), Passage("b", "B", "Beta comes next.")]
 
 
 def test_rag_service_serves_auto_with_the_chosen_policy_and_says_why(tokenizer, tmp_path):

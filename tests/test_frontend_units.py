@@ -12,7 +12,8 @@ from rag_server.bench.batch_qa import AskOptions, Asker, BatchError, read_answer
 from rag_server.api.chunk_markers import (CHUNK_BEGIN, CHUNK_END, Segment, link_marked_payload, mark_chunk,
                                       split_marked, tokenize_marked)
 from rag_server.cli import build_parser
-from rag_server.service.context_window import ContextLimits, PromptTooLong, ScoredPassage, fit_passages
+from rag_server.service.context_window import ContextLimits, PromptTooLong, fit_passages
+from retrieval.passage import Passage
 from retrieval.prompt_layout import PromptLayout, PromptPassage, passage_text
 from retrieval.qa_rows import QARow
 from rag_server.linking.policy_resolver import NamedPolicy, PolicyResolver
@@ -21,9 +22,9 @@ from sglang_patches.link_hints import parse_link_request
 from sglang_patches.policies import parse_policy
 
 PASSAGES = [
-    ScoredPassage("a", "Eiffel Tower", "The Eiffel Tower is a wrought-iron lattice tower in Paris, France.", 0.9),
-    ScoredPassage("b", "Big Ben", "Big Ben is the great bell of the clock at the Palace of Westminster.", 0.2),
-    ScoredPassage("c", "Colosseum", "The Colosseum is an elliptical amphitheatre in the centre of Rome.", 0.5),
+    Passage("a", "Eiffel Tower", "The Eiffel Tower is a wrought-iron lattice tower in Paris, France.", score=0.9),
+    Passage("b", "Big Ben", "Big Ben is the great bell of the clock at the Palace of Westminster.", score=0.2),
+    Passage("c", "Colosseum", "The Colosseum is an elliptical amphitheatre in the centre of Rome.", score=0.5),
 ]
 QUESTION = "Where is the Eiffel Tower?"
 
@@ -86,9 +87,20 @@ def test_fit_drops_lowest_scored_whole_passages_and_keeps_order(layout):
 
 def test_fit_without_scores_drops_the_last_given(layout):
     fixed, each = sizes(layout)
-    unscored = [ScoredPassage(p.id, p.title, p.text) for p in PASSAGES]
+    unscored = [Passage(p.id, p.title, p.text) for p in PASSAGES]
     fitted = fit_passages(layout, QUESTION, unscored, fixed + each[0] + each[1])
     assert [p.id for p in fitted.kept] == ["a", "b"]
+
+
+def test_fit_tokenizes_each_piece_once_and_builds_the_prompt_from_those_tokens(layout, monkeypatch):
+    fixed, each = sizes(layout)
+    expected = layout.build(QUESTION, [PASSAGES[0].prompt_passage(), PASSAGES[2].prompt_passage()])
+    encoded: list[str] = []
+    encode = layout.encode
+    monkeypatch.setattr(layout, "encode", lambda text: encoded.append(text) or encode(text))
+    fitted = fit_passages(layout, QUESTION, PASSAGES, fixed + each[0] + each[2])
+    assert [p.id for p in fitted.kept] == ["a", "c"] and fitted.prompt == expected
+    assert len(encoded) == len(PASSAGES) + 1  # every passage and the question, once each
 
 
 def test_question_alone_too_long(layout):
@@ -99,7 +111,7 @@ def test_question_alone_too_long(layout):
 
 def test_keep_best_by_score_then_given_order():
     assert [p.id for p in keep_best(PASSAGES, 2)] == ["a", "c"]
-    unscored = [ScoredPassage(p.id, p.title, p.text) for p in PASSAGES]
+    unscored = [Passage(p.id, p.title, p.text) for p in PASSAGES]
     assert [p.id for p in keep_best(unscored, 2)] == ["a", "b"]
 
 
@@ -232,7 +244,7 @@ def test_relink_reads_chunk_misses_from_the_first_event_and_from_whole_answers()
 
 
 def test_compiler_skips_pieces_it_compiled_and_forgets_them_on_flush():
-    from rag_server.linking.chunk_compiler import ChunkCompiler
+    from rag_server.linking.chunk_compiler import ChunkCompiler, Pieces
     from sglang_patches.link_hints import LinkRequest
 
     sent = []
@@ -243,19 +255,18 @@ def test_compiler_skips_pieces_it_compiled_and_forgets_them_on_flush():
             return SimpleNamespace(status_code=200)
 
     compiler = ChunkCompiler(Runtime())
-    link = LinkRequest.of("naive", [(2, 4), (4, 7)])
-    prompt = [1, 2, 10, 11, 20, 21, 22, 9]
-    asyncio.run(compiler.prepare(prompt, link, skip_known=True))
+    pieces = Pieces.of([1, 2, 10, 11, 20, 21, 22, 9], LinkRequest.of("naive", [(2, 4), (4, 7)]))
+    asyncio.run(compiler.prepare(pieces, skip_known=True))
     assert sent == [[[1, 2], [10, 11], [20, 21, 22]]]  # the head and both chunks, in one request
-    asyncio.run(compiler.prepare(prompt, link, skip_known=True))  # all compiled before: nothing sent
+    asyncio.run(compiler.prepare(pieces, skip_known=True))  # all compiled before: nothing sent
     assert len(sent) == 1
-    asyncio.run(compiler.prepare(prompt, link))  # without skip_known: always asks the engine
+    asyncio.run(compiler.prepare(pieces))  # without skip_known: always asks the engine
     compiler.forget()
-    asyncio.run(compiler.prepare(prompt, link, skip_known=True))
+    asyncio.run(compiler.prepare(pieces, skip_known=True))
     assert len(sent) == 3 and sent[0] == [[1, 2], [10, 11], [20, 21, 22]]
     compiler.note_eviction()  # a link missed a piece: no skipping for a while, even of known ones
-    asyncio.run(compiler.prepare(prompt, link, skip_known=True))
-    asyncio.run(compiler.prepare(prompt, link, skip_known=True))
+    asyncio.run(compiler.prepare(pieces, skip_known=True))
+    asyncio.run(compiler.prepare(pieces, skip_known=True))
     assert len(sent) == 5
 
 
@@ -324,6 +335,29 @@ def test_a_streamed_link_with_chunk_misses_is_dropped_compiled_again_and_relinke
 
     assert asyncio.run(deltas()) == ["X", "Y"]
     assert log == ["picrag.compile", "picrag.link:refuse", "picrag.link:refuse"]
+
+
+def test_a_linked_prompt_hashes_each_piece_once_however_often_it_is_compiled(monkeypatch):
+    from rag_server.linking import chunk_compiler
+    from rag_server.linking.chunk_compiler import Pieces, passage_set_key
+    from sglang_patches.chunk_key import chunk_key
+    from sglang_patches.link_hints import LinkRequest
+
+    hashed: list[list[int]] = []
+    monkeypatch.setattr(chunk_compiler, "chunk_key", lambda ids: hashed.append(list(ids)) or chunk_key(ids))
+    for policy, sink, hashes in (("naive", None, 3), ("legolink0", 0, 2 + 3), ("full", None, 2)):
+        hashed.clear()
+        link = LinkRequest.of(policy, [(2, 4), (4, 7)], sink_token=sink)
+        pieces = Pieces.of(PROMPT, link)
+        # The keys name the pieces as stored (behind sinks for legolink0); the route, the passages.
+        assert pieces.keys == tuple(chunk_key(s) for s in pieces.segments) and len(hashed) == hashes
+        assert pieces.route == passage_set_key(PROMPT, LinkRequest.of("naive", [(2, 4), (4, 7)]))
+    missed = _event("A", 2) + b"data: [DONE]\n\n"
+    hit = _event("X", 0) + b"data: [DONE]\n\n"
+    pipeline, log = _scripted_pipeline([(200, "text/event-stream", missed), (200, "text/event-stream", hit)])
+    hashed.clear()
+    asyncio.run(pipeline.generate(PROMPT, LinkRequest.of("naive", [(2, 4), (4, 7)]), {"stream": True}))
+    assert log.count("picrag.compile") == 2 and sorted(map(tuple, hashed)) == [(1, 2), (10, 11), (20, 21, 22)]
 
 
 def test_a_whole_link_answer_is_relinked_at_most_max_relinks_times_then_answered_as_it_is():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from retrieval.chunking import chunk_documents, chunk_text, token_counter
-from retrieval.ingest import Document, read_documents
+from retrieval.ingest import read_documents
 from retrieval.passage import Passage, passage_id
 from tests.conftest import SHARED_QA
 
@@ -108,9 +108,9 @@ def test_chunk_documents_keeps_each_text_once(count_tokens):
     shared = "A paragraph that two documents share, word for word."
     first, second = "First document, with its own opening words.", "Second document, with other words."
     documents = [
-        Document(id="a", title="A", text=f"{first}\n\n{shared}"),
-        Document(id="b", title="B", text=f"{second}\n\n{shared}"),
-        Document(id="a-copy", title="A again", text=f"{first}\n\n{shared}"),
+        Passage(id="a", title="A", text=f"{first}\n\n{shared}"),
+        Passage(id="b", title="B", text=f"{second}\n\n{shared}"),
+        Passage(id="a-copy", title="A again", text=f"{first}\n\n{shared}"),
     ]
     passages = chunk_documents(documents, count_tokens, 16)
     ids = [passage.id for passage in passages]

@@ -12,7 +12,7 @@ import torch
 from retrieval.chunking import chunk_document, chunk_documents, token_counter
 from retrieval.embedder import Embedder
 from retrieval.index import INDEX_FILE, MANIFEST_FILE, PASSAGES_FILE, PassageIndex, RetrievalIndexError
-from retrieval.ingest import Document, read_documents
+from retrieval.ingest import read_documents
 from retrieval.passage import Passage
 from retrieval.retriever import Retriever
 from tests.conftest import SHARED_QA, file_bytes
@@ -206,7 +206,7 @@ def test_supporting_passages_of_hotpotqa_questions_are_retrieved(hotpotqa_rows, 
     vectors = embedder.embed_documents([passage.embedding_text() for passage in passages])
     questions = embedder.embed_queries([row["question"] for row in hotpotqa_rows])
     # A supporting document longer than a passage counts as found when any of its passages is.
-    supporting = [[{p.id for p in chunk_document(Document("", passage["title"], passage["text"]), count_tokens)}
+    supporting = [[{p.id for p in chunk_document(Passage("", passage["title"], passage["text"]), count_tokens)}
                    for passage in row["passages"] if passage["is_supporting"]] for row in hotpotqa_rows]
 
     for kind in ("flat", "hnsw"):

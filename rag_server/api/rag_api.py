@@ -23,10 +23,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, InstanceOf, 
 from rag_server.api.request_stats import Answered, RequestStats, request_stats
 from rag_server.api.state import frontend
 from rag_server.linking.pipeline import GenerationError
-from rag_server.service.context_window import ScoredPassage
 from rag_server.linking.policy_resolver import NamedPolicy
 from rag_server.service.rag_service import DEFAULT_TOP_K, RagPlan, RagRequest, RagRequestError, RagResult, RagService
-from retrieval.passage import passage_id
+from retrieval.passage import Passage, passage_id
 from sglang_patches.policies import PolicyError
 
 logger = logging.getLogger(__name__)
@@ -74,8 +73,8 @@ class Document(BaseModel):
         "relevance; the lowest-scored go first when the context window is full (unscored: the last "
         "given go first)"))
 
-    def scored(self) -> ScoredPassage:
-        return ScoredPassage(self.id or passage_id(self.text), self.title, self.text, self.score)
+    def scored(self) -> Passage:
+        return Passage(self.id or passage_id(self.text), self.title, self.text, score=self.score)
 
 
 class RagQuery(BaseModel):
@@ -111,7 +110,7 @@ class Source(BaseModel):
     score: float | None
 
     @classmethod
-    def of(cls, passage: ScoredPassage) -> Source:
+    def of(cls, passage: Passage) -> Source:
         return cls(id=passage.id, title=passage.title, score=passage.score)
 
 

@@ -12,6 +12,9 @@ skip check the link's chunk misses and compile again (rag_server/linking/pipelin
 means the pool is evicting, where skipping would mostly guess wrong and every wrong guess costs
 a wasted prefill: after one, the compiler forgets what it knew and stops skipping for
 SKIP_PAUSE_S.
+
+A prompt's pieces are hashed once per request (`Pieces`): the keys that name them in the
+compiler's record, and the passage-set key that routes them, come from one hash of each chunk.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import asyncio
 import hashlib
 import time
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import httpx
 
@@ -58,15 +63,38 @@ def segments_to_compile(input_ids: list[int], link: LinkRequest) -> list[list[in
     return head + [link.stored_chunk(input_ids[start:end]) for start, end in link.chunks]
 
 
+def _passage_set(chunk_keys: Sequence[str]) -> Optional[str]:
+    if not chunk_keys:
+        return None
+    return hashlib.sha256(" ".join(sorted(set(chunk_keys))).encode()).hexdigest()[:32]
+
+
 def passage_set_key(input_ids: list[int], link: LinkRequest) -> str | None:
     """The routing key of the passages `link` marks, in any order (None without chunks): the
     compile and the link of a request reach the same replica behind the gateway, and so do
     requests over the same passages, where those are cached. The price is balance: one passage
     set is served by one replica, however hot it is."""
-    if not link.chunks:
-        return None
-    keys = sorted({chunk_key(input_ids[start:end]) for start, end in link.chunks})
-    return hashlib.sha256(" ".join(keys).encode()).hexdigest()[:32]
+    return _passage_set([chunk_key(input_ids[start:end]) for start, end in link.chunks])
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """What a linked prompt needs stored, each piece hashed once: the pieces as stored
+    (`segments_to_compile`), their content keys, and the prompt's passage-set key (`route`)."""
+
+    segments: tuple[list[int], ...]
+    keys: tuple[str, ...]
+    route: Optional[str]
+
+    @classmethod
+    def of(cls, input_ids: list[int], link: LinkRequest) -> Pieces:
+        chunk_keys = [chunk_key(input_ids[start:end]) for start, end in link.chunks]
+        segments = segments_to_compile(input_ids, link)
+        if not segments or link.family.sink_tokens:  # chunks stored behind sinks: hashed as stored
+            keys = [chunk_key(segment) for segment in segments]
+        else:  # the head, then the chunks as they stand in the prompt
+            keys = [chunk_key(head) for head in segments[:len(segments) - len(chunk_keys)]] + chunk_keys
+        return cls(tuple(segments), tuple(keys), _passage_set(chunk_keys))
 
 
 class ChunkCompiler:
@@ -90,19 +118,19 @@ class ChunkCompiler:
         """Pieces compiled by someone else's picrag.compile request through this frontend."""
         self._remember([chunk_key(s) for s in segments])
 
-    def _remember(self, keys: list[str]) -> None:
+    def _remember(self, keys: Sequence[str]) -> None:
         for key in keys:
             self._known[key] = None
             self._known.move_to_end(key)
         while len(self._known) > KNOWN_PIECES:
             self._known.popitem(last=False)
 
-    async def compile_many(self, segments: list[list[int]], route: str | None = None) -> None:
-        """Make sure every segment is stored (`route`: the request's routing key).
+    async def compile_many(self, segments: Sequence[list[int]], keys: Sequence[str], route: str | None = None) -> None:
+        """Make sure every segment (named by its key in `keys`) is stored (`route`: the request's
+        routing key).
 
         Segments not already being compiled go to the runtime as one batched request, so a
         prompt's twenty compiles cost one scheduler step, not twenty round trips."""
-        keys = [chunk_key(s) for s in segments]
         mine: dict[str, list[int]] = {}
         for key, segment in zip(keys, segments):
             if key not in self._inflight and key not in mine:
@@ -123,16 +151,12 @@ class ChunkCompiler:
         if response.status_code != 200:
             raise CompileError(f"chunk compile failed ({response.status_code}): {response.text[:300]}")
 
-    async def prepare(self, input_ids: list[int], link: LinkRequest, skip_known: bool = False,
-                      route: str | None = None) -> None:
-        """Make sure the pieces `link` reuses are in the chunk store (`skip_known`: pieces this
-        compiler compiled before are taken as stored; `route`: the request's routing key)."""
-        segments = segments_to_compile(input_ids, link)
-        if not segments:
+    async def prepare(self, pieces: Pieces, skip_known: bool = False) -> None:
+        """Make sure a prompt's `pieces` are in the chunk store (`skip_known`: pieces this
+        compiler compiled before are taken as stored)."""
+        if not pieces.segments:
             return
-        if skip_known and time.monotonic() >= self._skip_paused_until:
-            keys = [chunk_key(s) for s in segments]
-            if all(key in self._known for key in keys):
-                self._remember(keys)
-                return
-        await self.compile_many(segments, route)
+        if skip_known and time.monotonic() >= self._skip_paused_until and all(k in self._known for k in pieces.keys):
+            self._remember(pieces.keys)
+            return
+        await self.compile_many(pieces.segments, pieces.keys, pieces.route)

@@ -32,7 +32,7 @@ from typing import Any, Optional
 import httpx
 
 from rag_server.linking import sse
-from rag_server.linking.chunk_compiler import ROUTING_KEY_HEADER, ChunkCompiler, CompileError, passage_set_key
+from rag_server.linking.chunk_compiler import ROUTING_KEY_HEADER, ChunkCompiler, CompileError, Pieces
 from rag_server.linking.policy_resolver import PolicyResolver
 from rag_server.linking.selection import selected_runs
 from sglang_patches.engine_report import EngineReport
@@ -197,11 +197,15 @@ class LinkPipeline:
         `headers` and `params` go with every link request."""
         if self.policies is not None:
             link = self.policies.link(link)
+        pieces = Pieces.of(input_ids, link)  # hashed once for every compile, relink and probe below
         if link.family.scored_as and link.chunks and link.ratio > 0 and not link.recompute:
-            link = await self._select(input_ids, link, headers, params)
-        route = passage_set_key(input_ids, link)
-        if route:  # behind the gateway, the compile and the link go to the replica of the passage set
-            headers = {**headers, ROUTING_KEY_HEADER: route}
+            link = await self._select(input_ids, link, pieces, headers, params)
+        return await self._linked(input_ids, link, pieces, fields, headers, params)
+
+    async def _linked(self, input_ids: list[int], link: LinkRequest, pieces: Pieces, fields: Mapping[str, Any],
+                      headers: Mapping[str, str], params: Any) -> Linked:
+        if pieces.route:  # behind the gateway, the compile and the link go to the replica of the passage set
+            headers = {**headers, ROUTING_KEY_HEADER: pieces.route}
         relinks = MAX_RELINKS if link.family.reuses_chunks and link.chunks else 0
         compile_s = 0.0
         for attempt in range(relinks + 1):
@@ -210,7 +214,7 @@ class LinkPipeline:
             attempt_link = dataclasses.replace(link, refuse_on_miss=not last)
             runtime_ids, hints = runtime_request(input_ids, attempt_link)
             content = json.dumps({**fields, "input_ids": runtime_ids, "kv_hints": hints}).encode()
-            compile_s += await self._compile(input_ids, link, skip_known=attempt == 0, route=route)
+            compile_s += await self._compile(pieces, skip_known=attempt == 0)
             try:
                 request = self.client.build_request("POST", "/generate", content=content, headers=headers,
                                                     params=params)
@@ -227,13 +231,15 @@ class LinkPipeline:
             self.compiler.note_eviction()
         raise AssertionError("the last attempt always answers")
 
-    async def _select(self, input_ids: list[int], link: LinkRequest, headers: Mapping[str, str],
+    async def _select(self, input_ids: list[int], link: LinkRequest, pieces: Pieces, headers: Mapping[str, str],
                       params: Any) -> LinkRequest:
         """`link` with the tokens it recomputes chosen by the question's attention over its base
         policy's linked KV, measured by one prefill-only link of that policy (selection.py)."""
         probe = dataclasses.replace(LinkRequest.of(link.family.scored_as, link.chunks), report_attention=True)
-        measured = await self.generate(input_ids, probe, {"sampling_params": {"max_new_tokens": 0, "temperature": 0}},
-                                       headers, params)
+        if (probe.family.reuses_chunks, probe.stored_chunk([])) != (link.family.reuses_chunks, link.stored_chunk([])):
+            pieces = Pieces.of(input_ids, probe)  # the base policy stores its chunks otherwise
+        measured = await self._linked(input_ids, probe, pieces,
+                                      {"sampling_params": {"max_new_tokens": 0, "temperature": 0}}, headers, params)
         if measured.response.status_code != 200:
             raise GenerationError(f"measuring the question's attention failed: {measured.head[:300]!r}",
                                   measured.response.status_code if 400 <= measured.response.status_code < 500
@@ -243,10 +249,10 @@ class LinkPipeline:
             raise GenerationError("the runtime reported no attention for a selecting link")
         return dataclasses.replace(link, recompute=selected_runs(scores, link.chunks, link.k, link.ratio))
 
-    async def _compile(self, input_ids: list[int], link: LinkRequest, skip_known: bool, route: str | None) -> float:
+    async def _compile(self, pieces: Pieces, skip_known: bool) -> float:
         started = time.perf_counter()
         try:
-            await self.compiler.prepare(input_ids, link, skip_known=skip_known, route=route)
+            await self.compiler.prepare(pieces, skip_known=skip_known)
         except (CompileError, httpx.HTTPError) as exc:
             raise GenerationError(f"chunk compile failed: {exc}", 503) from exc
         return time.perf_counter() - started

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from retrieval.prompt_layout import PromptLayout, PromptPassage
+from retrieval.passage import Passage
+from retrieval.prompt_layout import CompiledPrompt, PromptLayout
 
 
 class PromptTooLong(ValueError):
@@ -43,33 +44,25 @@ class ContextLimits:
         return None
 
 
-@dataclass(frozen=True)
-class ScoredPassage:
-    id: str
-    title: str
-    text: str
-    score: float | None = None
-
-    def prompt_passage(self) -> PromptPassage:
-        return PromptPassage(self.title, self.text)
-
-
 @dataclass
 class FittedPassages:
-    kept: list[ScoredPassage]
-    dropped: list[ScoredPassage]
+    kept: list[Passage]
+    dropped: list[Passage]
+    prompt: CompiledPrompt  # of the kept passages, from the tokens their sizes were measured on
 
 
-def fit_passages(
-    layout: PromptLayout, question: str, passages: Sequence[ScoredPassage], budget: int
-) -> FittedPassages:
-    fixed = len(layout.head_ids) + len(layout.question_ids(question))
+def fit_passages(layout: PromptLayout, question: str, passages: Sequence[Passage], budget: int) -> FittedPassages:
+    """The passages that fit `budget` prompt tokens, and the prompt built from them; each piece
+    is tokenized once."""
+    question_ids = layout.question_ids(question)
+    fixed = len(layout.head_ids) + len(question_ids)
     if fixed > budget:
         raise PromptTooLong(
             f"the question alone needs {fixed} prompt tokens; the context window leaves {budget} "
             "(shorten the question or lower max_tokens)"
         )
-    sizes = [len(layout.passage_ids(p.prompt_passage())) for p in passages]
+    pieces = [layout.passage_ids(p.prompt_passage()) for p in passages]
+    sizes = [len(piece) for piece in pieces]
     # Drop order: lowest score first; unscored passages count as lowest; ties: later first.
     drop_order = sorted(
         range(len(passages)),
@@ -82,7 +75,9 @@ def fit_passages(
             break
         dropped.add(index)
         total -= sizes[index]
+    kept = [i for i in range(len(passages)) if i not in dropped]
     return FittedPassages(
-        kept=[p for i, p in enumerate(passages) if i not in dropped],
+        kept=[passages[i] for i in kept],
         dropped=[p for i, p in enumerate(passages) if i in dropped],
+        prompt=layout.assemble([pieces[i] for i in kept], question_ids),
     )

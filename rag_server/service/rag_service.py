@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from rag_server.linking.pipeline import LinkPipeline, Linked
 from rag_server.linking.policy_resolver import NamedPolicy, PolicyResolver
-from rag_server.service.context_window import (ContextLimits, FittedPassages, PromptTooLong, ScoredPassage,
-                                               fit_passages)
+from rag_server.service.context_window import ContextLimits, PromptTooLong, fit_passages
 from rag_server.service.quality import QualityControl, QualitySettings
+from retrieval.passage import Passage
 from retrieval.prompt_layout import DEFAULT_SYSTEM_PROMPT, CompiledPrompt, PromptLayout, PromptLayoutError, Tokenizer
 from sglang_patches.engine_report import EngineReport
 from sglang_patches.link_hints import LinkRequest
@@ -40,7 +40,7 @@ class RagRequest:
     policy: NamedPolicy
     max_tokens: int
     sampling: dict[str, Any] = field(default_factory=dict)  # runtime sampling params besides max_new_tokens
-    documents: Sequence[ScoredPassage] | None = None  # None: retrieve from the loaded index
+    documents: Sequence[Passage] | None = None  # None: retrieve from the loaded index
     top_k: int | None = None
     system_prompt: str | None = None
     history: Sequence[dict[str, str]] = ()  # earlier chat turns
@@ -50,8 +50,8 @@ class RagRequest:
 class RagPlan:
     request: RagRequest
     prompt: CompiledPrompt
-    passages: list[ScoredPassage]
-    dropped: list[ScoredPassage]
+    passages: list[Passage]
+    dropped: list[Passage]
     warnings: list[str]
     retrieval_ms: float
     started: float  # perf_counter() when the request arrived
@@ -101,7 +101,7 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1e3, 2)
 
 
-def keep_best(passages: Sequence[ScoredPassage], k: int) -> list[ScoredPassage]:
+def keep_best(passages: Sequence[Passage], k: int) -> list[Passage]:
     """The `k` best-scored passages (the first `k` when unscored), in their given order."""
     ranked = sorted(
         range(len(passages)),
@@ -134,7 +134,7 @@ class RagService:
             return self.layout
         return PromptLayout(self.tokenizer, request.system_prompt or DEFAULT_SYSTEM_PROMPT, request.history)
 
-    async def retrieve(self, question: str, k: int) -> tuple[list[ScoredPassage], float]:
+    async def retrieve(self, question: str, k: int) -> tuple[list[Passage], float]:
         if self.retriever is None:
             raise RagRequestError(
                 "no passage index is loaded: send `documents` with the request, "
@@ -143,8 +143,7 @@ class RagService:
         started = time.perf_counter()
         # Embedding the question is torch work: keep it off the event loop.
         found = await asyncio.to_thread(self.retriever.search, question, k)
-        passages = [ScoredPassage(p.id, p.title, p.text, p.score) for p in found]
-        return passages, _ms(time.perf_counter() - started)
+        return found, _ms(time.perf_counter() - started)
 
     async def plan(self, request: RagRequest) -> RagPlan:
         started = time.perf_counter()
@@ -161,7 +160,7 @@ class RagService:
         budget = self.limits.prompt_budget(request.max_tokens)
         try:
             # Templating and tokenizing a large input take a while: off the event loop.
-            fitted, prompt = await asyncio.to_thread(self._prompt, request, candidates, budget)
+            fitted = await asyncio.to_thread(fit_passages, self._layout(request), request.question, candidates, budget)
         except (PromptLayoutError, PromptTooLong) as exc:
             raise RagRequestError(str(exc)) from exc
         warnings = []
@@ -172,21 +171,14 @@ class RagService:
             )
         reason = None
         if request.policy.auto:
-            choice = self.quality.auto.choose(len(prompt.input_ids), self.policies.auto_excluded)
+            choice = self.quality.auto.choose(len(fitted.prompt.input_ids), self.policies.auto_excluded)
             request = dataclasses.replace(request, policy=NamedPolicy.of(choice.policy))
             reason = choice.reason
         served = self.policies.served(request.policy)
         if served.warning is not None:
             warnings.append(served.warning)
             request = dataclasses.replace(request, policy=served.policy)
-        return RagPlan(request, prompt, fitted.kept, fitted.dropped, warnings, retrieval_ms, started, reason)
-
-    def _prompt(self, request: RagRequest, candidates: Sequence[ScoredPassage],
-                budget: int) -> tuple[FittedPassages, CompiledPrompt]:
-        """The passages that fit `budget` prompt tokens, and the prompt built from them."""
-        layout = self._layout(request)
-        fitted = fit_passages(layout, request.question, candidates, budget)
-        return fitted, layout.build(request.question, [p.prompt_passage() for p in fitted.kept])
+        return RagPlan(request, fitted.prompt, fitted.kept, fitted.dropped, warnings, retrieval_ms, started, reason)
 
     async def run(self, plan: RagPlan) -> AsyncIterator[str | RagResult]:
         """Text deltas as the runtime produces them, then the RagResult."""
