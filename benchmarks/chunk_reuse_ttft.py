@@ -32,8 +32,8 @@ import httpx
 
 from rag_server.bench.common import server
 from retrieval.prompt_layout import PromptLayout, PromptPassage
-from sglang_patches.engine_report import EngineReport
-from sglang_patches.link_hints import link_hints
+from picrag_core.engine_report import EngineReport
+from picrag_core.link_hints import link_hints
 
 REPO = Path(__file__).resolve().parents[1]
 QA = REPO.parent / "shared" / "data" / "qa" / "musique.dev.jsonl"
@@ -62,7 +62,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from sglang_patches.model_store import ensure_model
+    from picrag_core.model_store import ensure_model
 
     layout = PromptLayout(AutoTokenizer.from_pretrained(ensure_model()))
     rows = [json.loads(line) for line in QA.read_text().splitlines()][: args.rows]

@@ -30,8 +30,8 @@ import torch
 from cache_repair.answer_loss import FrozenReader, answer_kl
 from cache_repair.pairs import Pair, pairs_model, shard_paths
 from cache_repair.train import answer_reader
-from sglang_patches.repair.checkpoint import load_repairer
-from sglang_patches.repair.config import read_token_embedding
+from picrag_core.repair.checkpoint import load_repairer
+from picrag_core.repair.config import read_token_embedding
 
 
 @dataclass

@@ -23,8 +23,8 @@ import torch
 
 from cache_repair.pairs import Pair, pairs_model, shard_paths
 from cache_repair.train import pair_outputs
-from sglang_patches.repair.checkpoint import load_repairer
-from sglang_patches.repair.config import read_token_embedding
+from picrag_core.repair.checkpoint import load_repairer
+from picrag_core.repair.config import read_token_embedding
 
 # Bucket i holds positions [EDGES[i], EDGES[i + 1]) inside a chunk.
 EDGES = (0, 1, 2, 4, 16)

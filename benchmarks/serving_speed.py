@@ -118,7 +118,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sglang_patches.model_store import ensure_model
+    from picrag_core.model_store import ensure_model
 
     model_dir = ensure_model()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

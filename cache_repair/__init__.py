@@ -2,6 +2,6 @@
 shipped checkpoints (`checkpoints/<model folder name>`). A small network, trained once per LLM,
 predicts a residual for the KV cache of every passage token so that KV computed for each
 passage alone approaches the KV computed with the whole preceding context. The network and its
-checkpoint format are the engine's (`sglang_patches.repair`); this package imports them.
+checkpoint format are shared with the engine (`picrag_core.repair`); this package imports them.
 Deliberately empty: `picrag --help` imports the command line without loading torch.
 """

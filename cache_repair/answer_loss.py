@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from cache_repair.pairs import rope_cos_sin
-from sglang_patches.repair.config import read_hf_config
-from sglang_patches.rope_shift import KeyShifter
+from picrag_core.repair.config import read_hf_config
+from picrag_core.rope_shift import KeyShifter
 
 
 class FrozenReader:

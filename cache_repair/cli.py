@@ -22,7 +22,7 @@ DEFAULT_MAX_DISK_GB = 25.0
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from sglang_patches.repair.config import TrainOptions
+    from picrag_core.repair.config import TrainOptions
 
     parser = subparsers.add_parser(
         "repair", help="train and evaluate a CacheRepair network for a model",
@@ -155,7 +155,7 @@ def _threads_option(parser: argparse.ArgumentParser) -> None:
 
 def _errors() -> tuple[type[Exception], ...]:
     # Every cache_repair error is a ValueError (bad pairs, checkpoint, model folder, options).
-    from sglang_patches.model_store import ModelStoreError
+    from picrag_core.model_store import ModelStoreError
 
     return ValueError, OSError, ModelStoreError
 
@@ -180,7 +180,7 @@ def _pairs(args: argparse.Namespace) -> int:
     from cache_repair.groups import DISTRACTORS, GroupShape
     from cache_repair.pairs import DEFAULT_DATA, generate_pairs
     from cache_repair.serving_pairs import generate_serving_pairs
-    from sglang_patches.model_store import resolve_model
+    from picrag_core.model_store import resolve_model
 
     groups, val_groups, max_tokens = (
         given or default for given, default in zip((args.groups, args.val_groups, args.max_passage_tokens),
@@ -199,9 +199,9 @@ def _pairs(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from sglang_patches.repair.config import TrainOptions
+    from picrag_core.repair.config import TrainOptions
     from cache_repair.train import Trainer
-    from sglang_patches.model_store import resolve_model
+    from picrag_core.model_store import resolve_model
 
     options = TrainOptions(steps=args.steps, lr=args.lr, width=args.width, blocks=args.blocks,
                            compress_dim=args.compress_dim, warmup=args.warmup, val_every=args.val_every, seed=args.seed,
@@ -216,12 +216,12 @@ def _train(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     import torch
 
-    from sglang_patches.repair.checkpoint import load_repairer
-    from sglang_patches.repair.config import RepairConfig, read_token_embedding
-    from sglang_patches.repair.network import RepairNetwork, serving_precision
+    from picrag_core.repair.checkpoint import load_repairer
+    from picrag_core.repair.config import RepairConfig, read_token_embedding
+    from picrag_core.repair.network import RepairNetwork, serving_precision
     from cache_repair.pairs import pairs_model, read_manifest, shard_paths
     from cache_repair.train import answer_reader, compute_stats, evaluate
-    from sglang_patches.model_store import resolve_model
+    from picrag_core.model_store import resolve_model
 
     model_dir, fingerprint = pairs_model(args.pairs, resolve_model(args.model) if args.model else None)
     paths = shard_paths(args.pairs, args.split)

@@ -37,11 +37,11 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from cache_repair.groups import training_rows
-from sglang_patches.repair.config import RepairConfig, read_hf_config
-from sglang_patches.repair.network import chunk_ids_for
+from picrag_core.repair.config import RepairConfig, read_hf_config
+from picrag_core.repair.network import chunk_ids_for
 from retrieval.prompt_layout import PromptLayout, PromptPassage
-from sglang_patches.model_fingerprint import model_fingerprint
-from sglang_patches.rope_shift import KeyShifter
+from picrag_core.model_fingerprint import model_fingerprint
+from picrag_core.rope_shift import KeyShifter
 
 logger = logging.getLogger(__name__)
 

@@ -41,8 +41,8 @@ from cache_repair.pairs import (
     save_shard,
     shard_name,
 )
-from sglang_patches.model_fingerprint import model_fingerprint
-from sglang_patches.repair.network import chunk_ids_for
+from picrag_core.model_fingerprint import model_fingerprint
+from picrag_core.repair.network import chunk_ids_for
 
 logger = logging.getLogger(__name__)
 

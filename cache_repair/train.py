@@ -16,7 +16,7 @@ top of a network trained on the residual alone): its weights, geometry and stati
 because the network's outputs are in the coordinates they define.
 The out dir holds a resumable training state
 (train_state.pt: network, optimizer, scheduler, step, statistics) written at every
-validation, and at the end the checkpoint that serving loads (`sglang_patches.repair.checkpoint`).
+validation, and at the end the checkpoint that serving loads (`picrag_core.repair.checkpoint`).
 
 Quality is reported as the per-layer relative KV error ||repaired - joint|| / ||stale - joint||
 over a split (1.0 is the stale cache, 0.0 a perfect repair) and, on serving-shaped pairs, as
@@ -40,10 +40,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from sglang_patches.repair.checkpoint import load_repairer, save_checkpoint
-from sglang_patches.repair.config import RepairConfig, TrainOptions, read_token_embedding
-from sglang_patches.repair.network import RepairNetwork, in_precision
-from sglang_patches.repair.normalization import CONTEXT_FREE_RATIO, KVStats, KVStatsAccumulator
+from picrag_core.repair.checkpoint import load_repairer, save_checkpoint
+from picrag_core.repair.config import RepairConfig, TrainOptions, read_token_embedding
+from picrag_core.repair.network import RepairNetwork, in_precision
+from picrag_core.repair.normalization import CONTEXT_FREE_RATIO, KVStats, KVStatsAccumulator
 from cache_repair.answer_loss import FrozenReader, answer_kl
 from cache_repair.pairs import Pair, pairs_model, read_manifest, shard_paths
 

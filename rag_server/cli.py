@@ -71,7 +71,7 @@ def _byte_size(text: str) -> int:
 
 def _policy_name(text: str) -> str:
     from rag_server.linking.policy_resolver import NamedPolicy
-    from sglang_patches.policies import PolicyError
+    from picrag_core.policies import PolicyError
 
     try:
         NamedPolicy.parse(text)
@@ -86,11 +86,11 @@ def _serve(args: argparse.Namespace) -> int:
     from rag_server.api.app import create_app
     from rag_server.api.auth import ADMIN_API_KEY_ENV, API_KEY_ENV
     from rag_server.api.upstream import UpstreamTimeouts
-    from sglang_patches.model_store import resolve_model
+    from picrag_core.model_store import resolve_model
     from rag_server.launch.replicas import EngineGroup, engines_for, run_engines
     from rag_server.launch.runtime import RuntimeConfig, SGLangRuntime
 
-    from sglang_patches.repair.checkpoint import RepairCheckpointError
+    from picrag_core.repair.checkpoint import RepairCheckpointError
     from rag_server.linking.policy_resolver import PolicyResolver, PolicyUnavailable, engine_refusals
     from rag_server.launch.repair_checkpoint import choose_repair_checkpoint
     from rag_server.service.quality import QualitySettings
@@ -228,16 +228,16 @@ def _positive_int(text: str) -> int:
 
 
 def _model_prepare(args: argparse.Namespace) -> int:
-    from sglang_patches.model_store import ensure_model
+    from picrag_core.model_store import ensure_model
 
     print(ensure_model(args.preset))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sglang_patches.model_store import DEFAULT_PRESET, PRESETS
+    from picrag_core.model_store import DEFAULT_PRESET, PRESETS
     from rag_server.linking.policy_resolver import AUTO, AUTO_SUMMARY, DEFAULT_POLICY
-    from sglang_patches.policies import POLICY_FAMILIES
+    from picrag_core.policies import POLICY_FAMILIES
 
     parser = argparse.ArgumentParser(
         prog="picrag",

@@ -191,7 +191,7 @@ def resolve_token_counter(tokenizer: Path | None) -> TokenCounter:
     if tokenizer is not None:
         return token_counter(tokenizer)
     try:
-        from sglang_patches.model_store import ensure_model
+        from picrag_core.model_store import ensure_model
 
         model_dir = ensure_model(DEFAULT_TOKENIZER_MODEL)
     except Exception as error:  # any failure of the optional default means: ask for --tokenizer

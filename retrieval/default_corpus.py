@@ -97,7 +97,7 @@ def _documents() -> Iterator[Passage]:
 
 
 def default_index_dir(limit: Optional[int] = None) -> Path:
-    from sglang_patches.model_store import picrag_home
+    from picrag_core.model_store import picrag_home
 
     name = f"default-{PACKAGE}-{PACKAGE_VERSION}" + (f"-first{limit}" if limit is not None else "")
     return picrag_home() / "indexes" / name

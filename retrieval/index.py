@@ -26,7 +26,7 @@ import numpy as np
 from retrieval.directory_swap import DirectorySwapError, directory_lock, replace_directory
 from retrieval.model_info import EmbeddingModelInfo
 from retrieval.passage import Passage
-from sglang_patches.file_digest import file_sha256
+from picrag_core.file_digest import file_sha256
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """picrag's attention backends by name, and which link policies need them.
 
 Families that compute tokens inside the prompt (their `position_masked` flag in
-sglang_patches.policies: LegoLink with k > 0, CacheBlend) need attention masked by true
+picrag_core.policies: LegoLink with k > 0, CacheBlend) need attention masked by true
 position. picrag's backends do that; on any other backend such a request would attend to later
 tokens, so the engine refuses it (sglang_patches.request_guard) and the frontend reports the
 policy as unavailable (rag_server/linking/policy_resolver.py), both with this reason.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from sglang_patches.policies import PolicyFamily
+from picrag_core.policies import PolicyFamily
 
 NATIVE_BACKEND = "picrag_native"  # CPU: sglang_patches.attention
 FLASHINFER_BACKEND = "picrag_flashinfer"  # CUDA: sglang_patches.flashinfer_attention

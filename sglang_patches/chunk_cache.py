@@ -38,7 +38,7 @@ pinned chunks can never starve the pool.
 A client never names these namespaces: its own `extra_key` is moved out of them, and a picrag
 hint the engine does not admit is ignored (sglang_patches.request_guard).
 
-What a request gets follows its policy family's flags (sglang_patches.policies). Vanilla
+What a request gets follows its policy family's flags (picrag_core.policies). Vanilla
 requests (no picrag hint) and families that reuse no chunks (``prefix``) use the plain tree;
 ``full`` matches nothing and stores nothing. Families that repair (``cacherepair``,
 ``cacherepair+legolink``) graft and then correct the grafted KV with the repair network
@@ -65,13 +65,13 @@ from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sglang_patches.cacheblend import blend_plan
-from sglang_patches.chunk_key import chunk_key
+from picrag_core.chunk_key import chunk_key
 from sglang_patches.disk_chunk_store import CorruptChunkFile, DiskChunkStore
-from sglang_patches.link_hints import MISS_REFUSAL, LinkHintError
+from picrag_core.link_hints import MISS_REFUSAL, LinkHintError
 from sglang_patches.link_plan import PLAN_ATTR, LinkPlan, build_plan
 from sglang_patches.repair.kv_repair import RepairPart, RepairSpan, repair_spans
 from sglang_patches.request_guard import EngineSettings, admitted_link, client_namespace, shape_of_req
-from sglang_patches.rope_shift import KeyShifter
+from picrag_core.rope_shift import KeyShifter
 from sglang_patches.tree_keys import NAMESPACE_PREFIX, store_key
 
 logger = logging.getLogger(__name__)

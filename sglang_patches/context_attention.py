@@ -3,7 +3,7 @@
 Query-aware selection (the `select` families) recomputes the chunk tokens the question attends
 to most. The frontend measures that first: it links the prompt as the family's base policy
 (naive's or cacherepair's KV) with ``"context_attention": true``, and reads back, in meta_info
-(sglang_patches.engine_report), the attention weight the question's tokens give to each prompt
+(picrag_core.engine_report), the attention weight the question's tokens give to each prompt
 position, summed over layers, heads and question tokens, one per position in the original
 prompt order. Both attention backends add each layer's weights as they attend
 (`accumulate`), computed apart from the attention kernel from the same queries, keys and mask.
@@ -17,7 +17,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from sglang_patches.engine_report import encode_floats
+from picrag_core.engine_report import encode_floats
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 One safetensors file per chunk under ``<root>/<model fingerprint>/<partition>/<chunk key>.safetensors``
 with the chunk's K and V for every layer this process holds (K at local positions 0..n-1, as in
-the pool). The fingerprint (sglang_patches.model_fingerprint) names the model; the partition
+the pool). The fingerprint (picrag_core.model_fingerprint) names the model; the partition
 (`partition_name`) names what makes one process's KV differ from another's serving the same
 model: its tensor/pipeline/context-parallel rank and the server options that change KV. The
 file's metadata repeats fingerprint, partition and chunk key and carries a SHA-256 of the tensor
@@ -35,7 +35,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as serialize_tensors
 
-from sglang_patches.chunk_key import chunk_key
+from picrag_core.chunk_key import chunk_key
 from sglang_patches.chunk_store_writer import ChunkStoreWriter
 
 logger = logging.getLogger(__name__)

@@ -7,14 +7,14 @@ link sent with ``"first_token_logprobs": true`` gets it: an AFTER hook on the sc
 result readback (`Scheduler._copy_result_to_cpu`, which every generation forward passes) takes
 the log-softmax of the logits row of each such request whose prefill has just produced its
 first token, and sglang_patches.meta_info ships it once in ``meta_info`` as
-``picrag_first_token_logprobs``, one per vocabulary id (sglang_patches.engine_report).
+``picrag_first_token_logprobs``, one per vocabulary id (picrag_core.engine_report).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from sglang_patches.engine_report import encode_floats
+from picrag_core.engine_report import encode_floats
 
 HOOK_TARGET = "sglang.srt.managers.scheduler.Scheduler._copy_result_to_cpu"
 

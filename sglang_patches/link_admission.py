@@ -33,7 +33,7 @@ def _refuse(scheduler, req, message: str) -> None:
     # sampling-mask validation).
     from sglang.srt.disaggregation.utils import prepare_abort
 
-    from sglang_patches.link_hints import MISS_REFUSAL_STATUS
+    from picrag_core.link_hints import MISS_REFUSAL_STATUS
 
     prepare_abort(req, message, status_code=MISS_REFUSAL_STATUS)
     scheduler.output_streamer.stream_output([req], req.return_logprob)

@@ -15,12 +15,12 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from sglang_patches.chunk_key import chunk_key
+from picrag_core.chunk_key import chunk_key
 from sglang_patches.context_attention import AttentionReport
-from sglang_patches.engine_report import LinkCounts
-from sglang_patches.reordered_layout import reordered_layout
-from sglang_patches.link_hints import REORDERED_LAYOUT, LinkRequest
-from sglang_patches.policies import PolicyFamily
+from picrag_core.engine_report import LinkCounts
+from picrag_core.reordered_layout import reordered_layout
+from picrag_core.link_hints import REORDERED_LAYOUT, LinkRequest
+from picrag_core.policies import PolicyFamily
 from sglang_patches.tree_keys import namespace_of, prompt_key, store_key
 
 PLAN_ATTR = "picrag_plan"
@@ -50,7 +50,7 @@ class Segment:
 
     @property
     def digest(self) -> str:
-        """The stored chunk's whole-content key (sglang_patches.chunk_key)."""
+        """The stored chunk's whole-content key (picrag_core.chunk_key)."""
         return chunk_key(self.chunk_tokens)
 
 
@@ -75,7 +75,7 @@ class LinkStats:
     context_attention: Optional[AttentionReport] = None
 
     def as_meta(self) -> dict[str, int | str]:
-        """The accounting in meta_info (sglang_patches.engine_report, where it is read back)."""
+        """The accounting in meta_info (picrag_core.engine_report, where it is read back)."""
         return LinkCounts(self.policy, self.chunk_hits, self.chunk_misses, self.chunks_cut, self.reused_tokens,
                           self.computed_tokens).as_meta()
 

@@ -5,7 +5,7 @@ server (``meta_info.cached_tokens_details``); an AFTER hook on the one method th
 adds picrag's flat fields (`sglang_patches.link_plan.LinkStats.as_meta`), and a link's
 first-token distribution (sglang_patches.first_token_report) or its question's attention over
 the prompt (sglang_patches.context_attention) when it asked for them: the schema and its
-decoder are sglang_patches.engine_report. tests/test_sglang_seams.py checks
+decoder are picrag_core.engine_report. tests/test_sglang_seams.py checks
 the signature of every function picrag hooks.
 """
 
@@ -19,7 +19,7 @@ HOOK_TARGET = (
 
 def add_link_stats(result, _streamer, req):
     from sglang_patches.context_attention import encode as encode_attention
-    from sglang_patches.engine_report import ATTENTION_KEY, FIRST_TOKEN_KEY
+    from picrag_core.engine_report import ATTENTION_KEY, FIRST_TOKEN_KEY
     from sglang_patches.first_token_report import take_for_output
     from sglang_patches.link_plan import plan_of
 

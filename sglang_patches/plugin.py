@@ -45,7 +45,7 @@ def _disk_store(ctx, kv_pool):
     from sglang_patches.disk_chunk_store import (
         KV_SERVER_OPTIONS, MAX_BYTES_ENV, STORE_DIR_ENV, DiskChunkStore, partition_name,
     )
-    from sglang_patches.model_fingerprint import model_fingerprint
+    from picrag_core.model_fingerprint import model_fingerprint
 
     root = os.environ.get(STORE_DIR_ENV)
     if not root:

@@ -1,7 +1,7 @@
 """Run a reordered (LegoLink) prompt's extend tokens at their true positions.
 
 SGLang numbers extend tokens prefix_len, prefix_len + 1, ... For a prompt sent in LegoLink's
-order (sglang_patches.reordered_layout) the tokens carry their true positions instead; the
+order (picrag_core.reordered_layout) the tokens carry their true positions instead; the
 attention backend gets the true position of every row entry so that a query attends exactly
 to the tokens before it in the original prompt. `true_positions_of` rewrites the batch's
 positions for such requests only, when the batch is made (sglang_patches.batch_annotations).

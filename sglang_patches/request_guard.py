@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from sglang_patches.attention_backends import backend_refusal
-from sglang_patches.link_hints import REORDERED_LAYOUT, LinkHintError, LinkRequest, parse_link_request
+from picrag_core.link_hints import REORDERED_LAYOUT, LinkHintError, LinkRequest, parse_link_request
 from sglang_patches.sampling_guard import check_request as check_sampling
 from sglang_patches.tree_keys import NAMESPACE_PREFIX
 

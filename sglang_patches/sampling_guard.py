@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-from sglang_patches.link_hints import parse_link_request
+from picrag_core.link_hints import parse_link_request
 
 # OpenAI's limit on top logprobs; one bound for every spelling (top_logprobs_num, chat's
 # top_logprobs, completions' logprobs) and for logprobs of named tokens (token_ids_logprob).

@@ -1,6 +1,6 @@
 """The engine's part of the start-up self-check: keys moved by re-rotation equal fresh keys.
 
-Chunk reuse moves cached post-RoPE keys to new positions with sglang_patches.rope_shift, which
+Chunk reuse moves cached post-RoPE keys to new positions with picrag_core.rope_shift, which
 takes the model's rotary embedding to be a pure rotation by position * theta_i, read from its
 `cos_sin_cache`. A rotary embedding that does anything else (multi-axis positions, a scale
 that depends on position or length, a kernel that reads another table) would get reused keys
@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from sglang_patches.rope_shift import KeyShifter, RopeShiftError, rotary_embedding_of
+from picrag_core.rope_shift import KeyShifter, RopeShiftError, rotary_embedding_of
 
 # The tree cache attribute and the /server_info key that hold the check.
 ROPE_CHECK_ATTR = "picrag_rope_check"

@@ -9,8 +9,8 @@ import pytest
 
 from rag_server.api.runtime_metrics import picrag_counters
 from retrieval.prompt_layout import PromptPassage
-from sglang_patches.engine_report import EngineReport, LinkCounts
-from sglang_patches.link_hints import link_hints
+from picrag_core.engine_report import EngineReport, LinkCounts
+from picrag_core.link_hints import link_hints
 
 
 def passages_of(row: dict, picks) -> list[PromptPassage]:

@@ -32,7 +32,7 @@ def shared_qa() -> Path:
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    from sglang_patches.model_store import ensure_model
+    from picrag_core.model_store import ensure_model
 
     return ensure_model()
 
@@ -118,11 +118,11 @@ def zero_repair_checkpoint(default_model_dir: Path, tmp_path_factory) -> Path:
     head is zero-initialised, so it repairs nothing (cacherepair must then equal naive)."""
     import torch
 
-    from sglang_patches.repair.checkpoint import save_checkpoint
-    from sglang_patches.repair.config import RepairConfig, read_token_embedding
-    from sglang_patches.repair.network import RepairNetwork
-    from sglang_patches.repair.normalization import KVStats
-    from sglang_patches.model_fingerprint import model_fingerprint
+    from picrag_core.repair.checkpoint import save_checkpoint
+    from picrag_core.repair.config import RepairConfig, read_token_embedding
+    from picrag_core.repair.network import RepairNetwork
+    from picrag_core.repair.normalization import KVStats
+    from picrag_core.model_fingerprint import model_fingerprint
 
     config = RepairConfig.for_model(default_model_dir, width=32, blocks=1)
     shape = (config.num_layers, config.num_kv_heads, 2, config.head_dim)

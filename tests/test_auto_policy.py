@@ -289,7 +289,7 @@ def test_auto_never_picks_a_policy_the_self_check_refuses(tokenizer, tmp_path):
 
 def test_bench_calibrate_refuses_runs_repaired_with_another_checkpoint(tmp_path, capsys):
     from rag_server.cli import main
-    from sglang_patches.file_digest import file_sha256
+    from picrag_core.file_digest import file_sha256
 
     rows = [("full", 1200, 0.0, 4.0), ("naive", 1200, 0.6, 0.5), ("cacherepair", 1200, 0.2, 0.7)]
     shipped_digest = file_sha256(SHIPPED_DIR / "smollm2-135m" / "weights.safetensors")

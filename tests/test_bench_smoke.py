@@ -13,7 +13,7 @@ import pytest
 from rag_server.bench.common import parse_policies, read_rows, with_unrelated_distractors
 from rag_server.bench.load import LoadOptions, run_load
 from rag_server.bench.quality import QualityOptions, run_quality
-from sglang_patches.model_store import PRESETS, ModelStoreError
+from picrag_core.model_store import PRESETS, ModelStoreError
 
 
 def test_unknown_policies_are_reported_not_dropped():

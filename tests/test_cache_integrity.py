@@ -21,8 +21,8 @@ from rag_server.linking.chunk_compiler import compile_request, segments_to_compi
 from retrieval.prompt_layout import passage_text, question_text
 from sglang_patches.attention_backends import NATIVE_BACKEND
 from sglang_patches.chunk_cache import CHUNK_NAMESPACE, ChunkRadixCache
-from sglang_patches.engine_report import EngineReport
-from sglang_patches.link_hints import (COMPILE_ACTION, LINK_ACTION, LinkHintError, LinkRequest, compile_hints,
+from picrag_core.engine_report import EngineReport
+from picrag_core.link_hints import (COMPILE_ACTION, LINK_ACTION, LinkHintError, LinkRequest, compile_hints,
                                        hints_of, parse_link_request, runtime_request)
 from sglang_patches.request_guard import (EngineSettings, RequestShape, admitted_link, check_token_ids,
                                           client_namespace, shape_of_req)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from sglang_patches.cacheblend import select_rows
-from sglang_patches.link_hints import LinkHintError, LinkRequest, parse_link_request
-from sglang_patches.policies import parse_policy
+from picrag_core.link_hints import LinkHintError, LinkRequest, parse_link_request
+from picrag_core.policies import parse_policy
 from tests.chunk_requests import assert_same_answer, first_token_top, passages_of, picrag_meta, run
 
 
@@ -19,7 +19,7 @@ def test_policy_names_and_wire_format():
     for bad in ("cacheblend:x", "cacheblend:1.5", "cacheblend:-0.1", "cacheblend:nan"):
         with pytest.raises(LinkHintError):
             parse_policy(bad)
-    from sglang_patches.link_hints import hints_of
+    from picrag_core.link_hints import hints_of
 
     link = LinkRequest.of("cacheblend:0.25", [(2, 5)])
     assert parse_link_request(hints_of(link)) == link

@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from sglang_patches.link_hints import LinkRequest, runtime_request
-from sglang_patches.policies import parse_policy
+from picrag_core.link_hints import LinkRequest, runtime_request
+from picrag_core.policies import parse_policy
 from tests.chunk_requests import assert_same_answer, counters, first_token_top, passages_of, picrag_meta, run
 from tests.engine_routing import REPAIRER, routed
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sglang_patches.repair.kv_repair import RepairSpan, repair_spans
-from sglang_patches.rope_shift import KeyShifter
+from picrag_core.rope_shift import KeyShifter
 from tests.chunk_requests import counters, first_token_top, passages_of, picrag_meta, question_tokens, run
 
 LAYERS, HEADS, DIM = 2, 2, 8
@@ -77,7 +77,7 @@ def test_nothing_grafted_nothing_repaired():
 
 
 def test_serve_refuses_a_checkpoint_for_another_model(tmp_path, default_model_dir, zero_repair_checkpoint):
-    from sglang_patches.repair.checkpoint import RepairCheckpointMismatch
+    from picrag_core.repair.checkpoint import RepairCheckpointMismatch
     from rag_server.launch.repair_checkpoint import choose_repair_checkpoint
 
     assert choose_repair_checkpoint(default_model_dir, zero_repair_checkpoint) == (zero_repair_checkpoint, None)
@@ -110,7 +110,7 @@ def shipped_checkpoints() -> list:
     """One case per folder under cache_repair/checkpoints; the default preset is converted by
     setup, any other is converted here (once per install: ensure_model keeps the folder)."""
     from rag_server.launch.repair_checkpoint import SHIPPED_DIR
-    from sglang_patches.model_store import DEFAULT_PRESET
+    from picrag_core.model_store import DEFAULT_PRESET
 
     return [pytest.param(path.name, id=path.name, marks=() if path.name == DEFAULT_PRESET else pytest.mark.slow)
             for path in sorted(SHIPPED_DIR.iterdir()) if path.is_dir()]
@@ -121,10 +121,10 @@ def test_every_shipped_checkpoint_loads_on_its_converted_preset(preset):
     from safetensors import safe_open
 
     from rag_server.launch.repair_checkpoint import SHIPPED_DIR, choose_repair_checkpoint
-    from sglang_patches.model_fingerprint import model_fingerprint
-    from sglang_patches.model_store import PRESETS, ensure_model
-    from sglang_patches.repair.checkpoint import STATS_FILE, WEIGHTS_FILE, load_repairer
-    from sglang_patches.repair.config import read_token_embedding
+    from picrag_core.model_fingerprint import model_fingerprint
+    from picrag_core.model_store import PRESETS, ensure_model
+    from picrag_core.repair.checkpoint import STATS_FILE, WEIGHTS_FILE, load_repairer
+    from picrag_core.repair.config import read_token_embedding
 
     assert preset in PRESETS, "a shipped checkpoint is named after the preset it was trained on"
     model = ensure_model(preset)
@@ -141,12 +141,12 @@ def test_every_shipped_checkpoint_loads_on_its_converted_preset(preset):
 def test_the_default_checkpoint_in_bfloat16_stays_within_a_percent_or_two_of_float32(default_model_dir, monkeypatch):
     """Serving runs the network's products in bfloat16 where the CPU has them natively; forced
     here so the comparison is made on every machine."""
-    import sglang_patches.repair.network as network_module
+    import picrag_core.repair.network as network_module
     from rag_server.launch.repair_checkpoint import SHIPPED_DIR
-    from sglang_patches.model_fingerprint import model_fingerprint
-    from sglang_patches.model_store import DEFAULT_PRESET
-    from sglang_patches.repair.checkpoint import load_repairer
-    from sglang_patches.repair.config import read_token_embedding
+    from picrag_core.model_fingerprint import model_fingerprint
+    from picrag_core.model_store import DEFAULT_PRESET
+    from picrag_core.repair.checkpoint import load_repairer
+    from picrag_core.repair.config import read_token_embedding
 
     repairer = load_repairer(SHIPPED_DIR / DEFAULT_PRESET, read_token_embedding(default_model_dir),
                              model_fingerprint(default_model_dir, torch.float32))

@@ -14,18 +14,18 @@ import torch
 from safetensors.torch import load_file
 
 from cache_repair import pairs as pairs_module
-from sglang_patches.repair.checkpoint import (
+from picrag_core.repair.checkpoint import (
     RepairCheckpointError,
     RepairCheckpointMismatch,
     checkpoint_identity,
     load_repairer,
     save_checkpoint,
 )
-from sglang_patches.file_digest import file_sha256
+from picrag_core.file_digest import file_sha256
 from cache_repair.cli import register
-from sglang_patches.repair.config import RepairConfig, read_token_embedding
-from sglang_patches.repair.network import KVRepairer, RepairNetwork
-from sglang_patches.repair.normalization import KVStats, KVStatsAccumulator
+from picrag_core.repair.config import RepairConfig, read_token_embedding
+from picrag_core.repair.network import KVRepairer, RepairNetwork
+from picrag_core.repair.normalization import KVStats, KVStatsAccumulator
 from cache_repair.pairs import (
     Pair,
     PairMaker,
@@ -268,7 +268,7 @@ def test_tiny_pairs_train_and_eval(maker, default_model_dir, shared_qa, tmp_path
     assert summary["steps"] == 40 and summary["val_relative_error"]["relative_k"][0] is None
     assert json.loads((checkpoint / "config.json").read_text())["compress_dim"] == 2
 
-    from sglang_patches.model_fingerprint import model_fingerprint
+    from picrag_core.model_fingerprint import model_fingerprint
 
     embedding = read_token_embedding(default_model_dir)
     repairer = load_repairer(checkpoint, embedding, model_fingerprint(default_model_dir, torch.float32))

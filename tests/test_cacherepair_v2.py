@@ -26,8 +26,8 @@ from cache_repair import train as train_module
 from cache_repair.train import (TrainError, answer_reader, compute_stats, evaluate, pooled_train_paths, step_loss,
                                 training_stats)
 from retrieval.prompt_layout import DEFAULT_SYSTEM_PROMPT, PromptLayout
-from sglang_patches.repair.config import RepairConfig, TrainOptions, read_token_embedding
-from sglang_patches.repair.network import RepairNetwork
+from picrag_core.repair.config import RepairConfig, TrainOptions, read_token_embedding
+from picrag_core.repair.network import RepairNetwork
 
 torch.set_num_threads(1)
 

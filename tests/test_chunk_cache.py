@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sglang_patches.link_hints import MISS_REFUSAL, MISS_REFUSAL_STATUS, link_hints
+from picrag_core.link_hints import MISS_REFUSAL, MISS_REFUSAL_STATUS, link_hints
 from tests.chunk_requests import counters, generate, logprobs_of, passages_of, picrag_meta, question_tokens
 
 pytestmark = pytest.mark.server

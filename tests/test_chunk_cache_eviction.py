@@ -90,7 +90,7 @@ def test_eviction_takes_cached_linked_prompts_before_stored_chunks(small_pool_se
     the pool; by plain LRU it would be the first to go."""
     import httpx
 
-    from sglang_patches.link_hints import ON_MISS_REFUSE, link_hints
+    from picrag_core.link_hints import ON_MISS_REFUSE, link_hints
 
     lone = layout.build(musique[40]["question"], passages_of(musique[40], [0]))
     others = [layout.build(row["question"], passages_of(row, [0, 1])) for row in musique[41:44]]

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 from sglang_patches.chunk_cache import CacheCounters, ChunkRadixCache
-from sglang_patches.link_hints import MISS_REFUSAL, LinkRequest
+from picrag_core.link_hints import MISS_REFUSAL, LinkRequest
 from sglang_patches.link_plan import LinkStats, plan_of
 
 POOL = 1000

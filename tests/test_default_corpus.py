@@ -19,7 +19,7 @@ BARQS_QUESTION = "Which company owns Barq's root beer?"
 @pytest.fixture
 def picrag_home(tmp_path, monkeypatch) -> Path:
     """An empty PICRAG_HOME that shares the converted models of the real one."""
-    from sglang_patches.model_store import models_dir
+    from picrag_core.model_store import models_dir
 
     models = models_dir()
     home = tmp_path / "home"

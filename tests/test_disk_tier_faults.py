@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from rag_server.bench.load import flush_when_idle
 from sglang_patches import disk_chunk_store, plugin
 from sglang_patches.chunk_cache import CacheCounters, ChunkRadixCache
-from sglang_patches.chunk_key import chunk_key
+from picrag_core.chunk_key import chunk_key
 from sglang_patches.disk_chunk_store import MAX_BYTES_ENV, STORE_DIR_ENV, DiskChunkStore
 from tests.chunk_requests import generate, logprobs_of, passages_of, wait_for_counter
 from tests.conftest import start_picrag_server, stop_picrag_server
@@ -265,9 +265,9 @@ def engine_context(model_path: Path, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
 
 
 def test_each_rank_and_kv_option_gets_its_own_store(tmp_path, monkeypatch):
-    import sglang_patches.model_fingerprint
+    import picrag_core.model_fingerprint
 
-    monkeypatch.setattr(sglang_patches.model_fingerprint, "model_fingerprint", lambda path, dtype: "fp-a")
+    monkeypatch.setattr(picrag_core.model_fingerprint, "model_fingerprint", lambda path, dtype: "fp-a")
     monkeypatch.setenv(STORE_DIR_ENV, str(tmp_path / "store"))
     monkeypatch.setenv(MAX_BYTES_ENV, "1000000")
     pool = SimpleNamespace(dtype=torch.float32)

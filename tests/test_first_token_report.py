@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from rag_server.linking import sse
-from sglang_patches.engine_report import EngineReport, decode_floats, encode_floats, exact_kl
-from sglang_patches.link_hints import LinkHintError, LinkRequest, hints_of, link_hints, parse_link_request
+from picrag_core.engine_report import EngineReport, decode_floats, encode_floats, exact_kl
+from picrag_core.link_hints import LinkHintError, LinkRequest, hints_of, link_hints, parse_link_request
 from tests.chunk_requests import first_token_top, passages_of
 
 

@@ -8,9 +8,9 @@ import pytest
 from rag_server.api.chunk_markers import strip_markers, tokenize_marked
 from rag_server.dsl import chunk
 from rag_server.linking.policy_resolver import DEFAULT_POLICY
-from sglang_patches.engine_report import EngineReport
-from sglang_patches.link_hints import link_hints
-from sglang_patches.policies import POLICY_FAMILIES
+from picrag_core.engine_report import EngineReport
+from picrag_core.link_hints import link_hints
+from picrag_core.policies import POLICY_FAMILIES
 
 pytestmark = pytest.mark.server
 

@@ -12,7 +12,7 @@ from retrieval.prompt_layout import PromptLayout, PromptPassage
 from rag_server.api.rag_api import MAX_BODY_BYTES, MAX_DOCUMENTS, MAX_QUESTION_CHARS
 from rag_server.linking.policy_resolver import DEFAULT_POLICY
 from retrieval.passage import passage_id
-from sglang_patches.link_hints import link_hints
+from picrag_core.link_hints import link_hints
 
 pytestmark = pytest.mark.server
 

@@ -18,8 +18,8 @@ from retrieval.prompt_layout import PromptLayout, PromptPassage, passage_text
 from retrieval.qa_rows import QARow
 from rag_server.linking.policy_resolver import NamedPolicy, PolicyResolver
 from rag_server.service.rag_service import RagRequest, RagRequestError, RagService, keep_best
-from sglang_patches.link_hints import parse_link_request
-from sglang_patches.policies import parse_policy
+from picrag_core.link_hints import parse_link_request
+from picrag_core.policies import parse_policy
 
 PASSAGES = [
     Passage("a", "Eiffel Tower", "The Eiffel Tower is a wrought-iron lattice tower in Paris, France.", score=0.9),
@@ -228,7 +228,7 @@ def test_position_masked_policies_need_a_picrag_attention_backend():
 
 def test_relink_reads_chunk_misses_from_the_first_event_and_from_whole_answers():
     from rag_server.linking.pipeline import first_event, response_misses
-    from sglang_patches.engine_report import EngineReport
+    from picrag_core.engine_report import EngineReport
 
     async def stream(parts):
         for part in parts:
@@ -245,7 +245,7 @@ def test_relink_reads_chunk_misses_from_the_first_event_and_from_whole_answers()
 
 def test_compiler_skips_pieces_it_compiled_and_forgets_them_on_flush():
     from rag_server.linking.chunk_compiler import ChunkCompiler, Pieces
-    from sglang_patches.link_hints import LinkRequest
+    from picrag_core.link_hints import LinkRequest
 
     sent = []
 
@@ -312,7 +312,7 @@ PROMPT = [1, 2, 10, 11, 20, 21, 22, 9]
 
 
 def test_a_streamed_link_with_chunk_misses_is_dropped_compiled_again_and_relinked():
-    from sglang_patches.link_hints import LinkRequest
+    from picrag_core.link_hints import LinkRequest
 
     missed = _event("A", 2) + _event("AB", 2) + b"data: [DONE]\n\n"
     hit = _event("X", 0) + _event("XY", 0) + b"data: [DONE]\n\n"
@@ -340,8 +340,8 @@ def test_a_streamed_link_with_chunk_misses_is_dropped_compiled_again_and_relinke
 def test_a_linked_prompt_hashes_each_piece_once_however_often_it_is_compiled(monkeypatch):
     from rag_server.linking import chunk_compiler
     from rag_server.linking.chunk_compiler import Pieces, passage_set_key
-    from sglang_patches.chunk_key import chunk_key
-    from sglang_patches.link_hints import LinkRequest
+    from picrag_core.chunk_key import chunk_key
+    from picrag_core.link_hints import LinkRequest
 
     hashed: list[list[int]] = []
     monkeypatch.setattr(chunk_compiler, "chunk_key", lambda ids: hashed.append(list(ids)) or chunk_key(ids))
@@ -362,7 +362,7 @@ def test_a_linked_prompt_hashes_each_piece_once_however_often_it_is_compiled(mon
 
 def test_a_whole_link_answer_is_relinked_at_most_max_relinks_times_then_answered_as_it_is():
     from rag_server.linking.pipeline import MAX_RELINKS
-    from sglang_patches.link_hints import LinkRequest
+    from picrag_core.link_hints import LinkRequest
 
     missed = json.dumps({"text": "A", "meta_info": {"cached_tokens_details": {"picrag_chunk_misses": 1}}}).encode()
     pipeline, log = _scripted_pipeline([(200, "application/json", missed)] * (MAX_RELINKS + 1))
@@ -381,7 +381,7 @@ def test_a_whole_link_answer_is_relinked_at_most_max_relinks_times_then_answered
 def test_a_link_the_engine_refused_unrun_is_compiled_again_and_relinked():
     """The engine's refusal of an `on_miss: refuse` link (a chunk missing on arrival), streamed
     (an abort finish reason) or whole (its status), is never shown: compiled again, relinked."""
-    from sglang_patches.link_hints import MISS_REFUSAL, MISS_REFUSAL_STATUS, LinkRequest
+    from picrag_core.link_hints import MISS_REFUSAL, MISS_REFUSAL_STATUS, LinkRequest
 
     abort = {"type": "abort", "message": f"{MISS_REFUSAL}: 1 of 2 chunk(s) missing", "status_code": MISS_REFUSAL_STATUS}
     streamed = f"data: {json.dumps({'text': '', 'meta_info': {'finish_reason': abort}})}\n\ndata: [DONE]\n\n".encode()
@@ -409,7 +409,7 @@ def test_a_link_the_engine_refused_unrun_is_compiled_again_and_relinked():
 def test_on_miss_travels_in_the_link_hints_and_is_parsed_strictly():
     import dataclasses
 
-    from sglang_patches.link_hints import LinkHintError, LinkRequest, hints_of
+    from picrag_core.link_hints import LinkHintError, LinkRequest, hints_of
 
     link = LinkRequest.of("legolink:4", [(2, 4), (4, 7)])
     assert parse_link_request(hints_of(link)) == link and not link.refuse_on_miss

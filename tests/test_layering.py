@@ -1,6 +1,8 @@
-"""Imports run downward only: rag_server -> (cache_repair, retrieval) -> sglang_patches.
+"""Imports run downward only: rag_server -> cache_repair -> retrieval, rag_server ->
+sglang_patches, and every one of them -> picrag_core, which imports none of them. So retrieval
+and training never import engine code, and the engine package holds only what runs inside SGLang.
 
-Every module of the three lower packages is parsed (not imported), so an upward import hidden in
+Every module of the four lower packages is parsed (not imported), so an upward import hidden in
 a function body or behind importlib is caught as well as one at the top of a file.
 """
 
@@ -15,9 +17,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 # The top-level packages each layer must never import.
 FORBIDDEN = {
+    "picrag_core": {"rag_server", "cache_repair", "retrieval", "sglang_patches"},
     "sglang_patches": {"rag_server", "cache_repair", "retrieval"},
-    "retrieval": {"rag_server", "cache_repair"},
-    "cache_repair": {"rag_server"},
+    "retrieval": {"rag_server", "cache_repair", "sglang_patches"},
+    "cache_repair": {"rag_server", "sglang_patches"},
 }
 
 
@@ -81,5 +84,10 @@ from .. import chunk_key as sibling
     names = [name for _, name in imported_modules(source, "sglang_patches.repair.example")]
     assert names[-2:] == ["sglang_patches.repair", "sglang_patches"]
     assert upward_imports("cache_repair", source, "cache_repair.example") == [
-        "line 3: rag_server.api.app", "line 4: rag_server", "line 11: rag_server.cli",
+        "line 3: rag_server.api.app", "line 4: rag_server", "line 5: sglang_patches.chunk_key",
+        "line 11: rag_server.cli",
+    ]
+    assert upward_imports("picrag_core", source, "picrag_core.example") == [
+        "line 3: rag_server.api.app", "line 4: rag_server", "line 5: sglang_patches.chunk_key",
+        "line 8: cache_repair.pairs", "line 10: retrieval.embedder", "line 11: rag_server.cli",
     ]

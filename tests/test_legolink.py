@@ -7,9 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sglang_patches.reordered_layout import Fragment, first_k_runs, merge_runs, reordered_layout
-from sglang_patches.link_hints import LinkHintError, LinkRequest
-from sglang_patches.policies import parse_policy
+from picrag_core.reordered_layout import Fragment, first_k_runs, merge_runs, reordered_layout
+from picrag_core.link_hints import LinkHintError, LinkRequest
+from picrag_core.policies import parse_policy
 from tests.chunk_requests import assert_same_answer, first_token_top, passages_of, picrag_meta, question_tokens, run
 
 

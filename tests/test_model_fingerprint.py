@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sglang_patches.model_fingerprint import model_fingerprint
+from picrag_core.model_fingerprint import model_fingerprint
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "dtype": "float32",
@@ -154,7 +154,7 @@ def test_fingerprint_tracks_dtype_config_and_weights(tmp_path, default_model_dir
 
 @pytest.mark.slow
 def test_two_fresh_conversions_of_a_preset_get_one_fingerprint(tmp_path, monkeypatch, default_model_dir):
-    from sglang_patches.model_store import DEFAULT_PRESET, ensure_model
+    from picrag_core.model_store import DEFAULT_PRESET, ensure_model
 
     installed = model_fingerprint(default_model_dir, torch.float32)
     converted = []

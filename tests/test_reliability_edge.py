@@ -140,7 +140,7 @@ def test_disconnect_mid_stream_frees_the_request_in_the_runtime(picrag_server, p
 
 
 def test_requests_over_the_context_window_are_4xx_and_harmless(picrag_server, layout):
-    from sglang_patches.link_hints import link_hints
+    from picrag_core.link_hints import link_hints
 
     ids = layout.encode("hello " * 3_000)[:9_000] * 3
     linked = {"input_ids": ids[:9_000], "sampling_params": {"max_new_tokens": 4},

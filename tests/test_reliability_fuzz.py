@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from rag_server.api.rag_api import MAX_DOCUMENT_CHARS, MAX_QUESTION_CHARS
 from retrieval.prompt_layout import _PLACEHOLDER
-from sglang_patches.link_hints import COMPILE_ACTION, LINK_ACTION, LINK_FIELDS
-from sglang_patches.policies import POLICY_FAMILIES
+from picrag_core.link_hints import COMPILE_ACTION, LINK_ACTION, LINK_FIELDS
+from picrag_core.policies import POLICY_FAMILIES
 
 pytestmark = pytest.mark.server
 

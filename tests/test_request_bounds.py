@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 
 from rag_server.api.forwarded_bodies import ChatBody, CompletionBody, ForwardLimits, GenerateBody, parse_forwarded
 from sglang_patches import sampling_guard
-from sglang_patches.link_hints import link_hints
+from picrag_core.link_hints import link_hints
 from sglang_patches.sampling_guard import MAX_BATCH_PROMPTS, MAX_CHUNK_SPANS, MAX_N, MAX_TOP_LOGPROBS
 from tests.fake_runtime import fake_runtime
 from tests.inprocess_frontend import frontend

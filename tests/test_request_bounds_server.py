@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sglang_patches.link_hints import link_hints
+from picrag_core.link_hints import link_hints
 from sglang_patches.sampling_guard import MAX_CHUNK_SPANS, MAX_N, MAX_TOP_LOGPROBS
 
 pytestmark = pytest.mark.server

@@ -125,7 +125,7 @@ def test_a_corrupt_index_is_reported_and_left_untouched(tmp_path, corpus, tokeni
 
 
 def test_a_missing_default_tokenizer_asks_for_one(tmp_path, corpus, capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "sglang_patches.model_store", None)
+    monkeypatch.setitem(sys.modules, "picrag_core.model_store", None)
     assert picrag("index", "build", "--corpus", corpus, "--out", tmp_path / "index") == 1
     assert "pass --tokenizer PATH" in capsys.readouterr().err
     assert not (tmp_path / "index").exists()

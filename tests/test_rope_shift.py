@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from sglang_patches.rope_shift import KeyShifter, RopeShiftError
+from picrag_core.rope_shift import KeyShifter, RopeShiftError
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from rag_server.linking.selection import selected_runs
-from sglang_patches.engine_report import EngineReport
-from sglang_patches.link_hints import LinkHintError, LinkRequest, hints_of, parse_link_request
-from sglang_patches.policies import parse_policy
+from picrag_core.engine_report import EngineReport
+from picrag_core.link_hints import LinkHintError, LinkRequest, hints_of, parse_link_request
+from picrag_core.policies import parse_policy
 from tests.chunk_requests import assert_same_answer, generate, passages_of, picrag_meta, question_tokens, run
 
 

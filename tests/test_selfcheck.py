@@ -19,9 +19,9 @@ import torch
 from rag_server.launch.selfcheck import NEW_TOKENS, TOLERANCES, difference, self_check
 from rag_server.linking.policy_resolver import NamedPolicy, PolicyResolver
 from rag_server.linking.reuse_gate import FAILED, PASSED, SKIPPED, Check, ReuseGate, SelfCheckReport
-from sglang_patches.link_hints import LinkRequest, parse_link_request
-from sglang_patches.policies import PolicyError, parse_policy
-from sglang_patches.rope_shift import KeyShifter
+from picrag_core.link_hints import LinkRequest, parse_link_request
+from picrag_core.policies import PolicyError, parse_policy
+from picrag_core.rope_shift import KeyShifter
 from sglang_patches.selfcheck import SERVER_INFO_KEY, check_rope_shift, rope_shifter
 
 
@@ -281,7 +281,7 @@ def recording(policies: list[str]):
 
 
 def link_hints_naive() -> dict:
-    from sglang_patches.link_hints import link_hints
+    from picrag_core.link_hints import link_hints
 
     return link_hints("naive", [(0, 3)])
 

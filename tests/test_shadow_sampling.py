@@ -20,8 +20,8 @@ from rag_server.service.auto_policy import CALIBRATION_DIR, CalibrationTable
 from rag_server.service.first_token_quality import QualityRecord, Sample, bucket_labels, size_bucket
 from rag_server.service.quality_metrics import QualityMetrics
 from rag_server.service.shadow import ShadowSampler, ShadowSettings, first_token, sample_name
-from sglang_patches.engine_report import FIRST_TOKEN_KEY, encode_floats
-from sglang_patches.link_hints import LinkRequest
+from picrag_core.engine_report import FIRST_TOKEN_KEY, encode_floats
+from picrag_core.link_hints import LinkRequest
 
 CHUNKS = [(10, 40), (40, 90)]
 PROMPT = list(range(100))
@@ -208,7 +208,7 @@ def _shadows_done(view: dict) -> bool:
 def test_shadow_sampling_never_changes_the_answer_and_fills_the_quality_view(picrag_server, layout):
     from rag_server.service.quality import QualitySettings
     from retrieval.prompt_layout import PromptPassage
-    from sglang_patches.link_hints import link_hints
+    from picrag_core.link_hints import link_hints
     from tests.inprocess_frontend import frontend
 
     query = {"question": "What is the capital of Norway?", "documents": DOCUMENTS, "policy": "naive",

@@ -17,9 +17,9 @@ from array import array
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_patches.link_hints import LinkRequest, runtime_request
+from picrag_core.link_hints import LinkRequest, runtime_request
 from sglang_patches.link_plan import LinkPlan, build_plan
-from sglang_patches.reordered_layout import merge_runs
+from picrag_core.reordered_layout import merge_runs
 from sglang_patches.tree_keys import SEGMENT_START, store_key
 from sglang_patches.request_guard import RequestShape, admitted_link
 from tests.engine_routing import BOS

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_patches.link_hints import LinkRequest, hints_of
-from sglang_patches.policies import Policy
+from picrag_core.link_hints import LinkRequest, hints_of
+from picrag_core.policies import Policy
 
 CHUNK_BEGIN = "\ue000"
 CHUNK_END = "\ue001"

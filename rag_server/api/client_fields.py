@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from sglang_patches.link_hints import ORIGINAL_LAYOUT, LinkHintError, LinkRequest
+from picrag_core.link_hints import ORIGINAL_LAYOUT, LinkHintError, LinkRequest
 from sglang_patches.request_guard import vocabulary_error
 from sglang_patches.tree_keys import NAMESPACE_PREFIX
 

@@ -117,7 +117,7 @@ class GenerateBody(Forwarded):
     stream: Optional[bool] = None
     rid: Optional[Union[str, Annotated[list[str], Batch]]] = None
     extra_key: Optional[Union[str, Annotated[list[str], Batch]]] = None
-    kv_hints: Any = None  # parsed by the /generate route (sglang_patches.link_hints)
+    kv_hints: Any = None  # parsed by the /generate route (picrag_core.link_hints)
 
     def refusal(self) -> Optional[str]:
         """What the model alone cannot check: starts inside each token prompt (a link's chunk

@@ -33,7 +33,7 @@ from rag_server.api.proxy import forward, forwarded_headers, json_object, relay
 from rag_server.api.state import Frontend, frontend
 from rag_server.linking.pipeline import GenerationError
 from rag_server.service.shadow import ShadowSampler
-from sglang_patches.link_hints import LinkHintError, LinkRequest, parse_link_request
+from picrag_core.link_hints import LinkHintError, LinkRequest, parse_link_request
 from sglang_patches.sampling_guard import chunk_count_error
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ by page.js, no library, no build step). They hold no data, so they are served wi
 (PAGE_PATHS, open in rag_server/api/auth.py); everything the page reads comes from keyed routes,
 with the key the user typed into the page:
 
-- `GET /picrag/policies`: the policy menu: every family of sglang_patches.policies with whether
+- `GET /picrag/policies`: the policy menu: every family of picrag_core.policies with whether
   this server serves it, then `auto`, and the default (rag_server/linking/policy_resolver.py);
 - `GET /picrag/stats`: RAG answers per policy with their TTFT p50/p90
   (rag_server/api/request_stats.py), and the runtime's picrag counters from its /metrics;

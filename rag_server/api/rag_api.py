@@ -26,7 +26,7 @@ from rag_server.linking.pipeline import GenerationError
 from rag_server.linking.policy_resolver import NamedPolicy
 from rag_server.service.rag_service import DEFAULT_TOP_K, RagPlan, RagRequest, RagRequestError, RagResult, RagService
 from retrieval.passage import Passage, passage_id
-from sglang_patches.policies import PolicyError
+from picrag_core.policies import PolicyError
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from fastapi import Request
 
 from rag_server.service.percentile import percentile
-from sglang_patches.policies import PolicyError, parse_policy
+from picrag_core.policies import PolicyError, parse_policy
 
 # TTFT samples kept per policy for its percentiles, and requests kept for the recent-TTFT chart.
 TTFT_WINDOW = 500

@@ -35,9 +35,9 @@ from rag_server.linking import sse
 from rag_server.linking.chunk_compiler import compile_request, segments_to_compile
 from retrieval.prompt_layout import CompiledPrompt, PromptLayout, PromptPassage
 from retrieval.qa_rows import QARow, QARowError, read_qa_rows
-from sglang_patches.engine_report import EngineReport
-from sglang_patches.link_hints import LinkRequest, link_hints
-from sglang_patches.policies import PolicyError, parse_policy
+from picrag_core.engine_report import EngineReport
+from picrag_core.link_hints import LinkRequest, link_hints
+from picrag_core.policies import PolicyError, parse_policy
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def read_rows(path: Path, limit: int | None, max_passages: int | None) -> list[Q
 
 def model_path_of(url: str, model: str | None) -> Path:
     """The model folder whose tokenizer builds the prompts: --model, else the server's own."""
-    from sglang_patches.model_store import resolve_model
+    from picrag_core.model_store import resolve_model
 
     if model is not None:
         return resolve_model(model)

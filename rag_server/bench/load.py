@@ -269,7 +269,7 @@ def run_load(options: LoadOptions, progress: bool = True) -> dict[str, Any]:
                 cells += run_cells(url, prompts, warm_up, policy, options, progress, rate)
     if with_vanilla:
         if not runnable:
-            from sglang_patches.model_store import resolve_model
+            from picrag_core.model_store import resolve_model
 
             model_dir = resolve_model(options.model)  # None: the default preset, as `picrag serve`
             prompts, warm_up = build_requests(options, load_layout(model_dir))

@@ -54,9 +54,9 @@ from rag_server.service.auto_policy import CalibrationTable
 from rag_server.service.first_token_quality import BUCKET_BOUNDS, bucket_labels, size_bucket
 from rag_server.service.percentile import percentile
 from retrieval.qa_rows import QARow
-from sglang_patches.engine_report import exact_kl
-from sglang_patches.policies import parse_policy
-from sglang_patches.repair.checkpoint import RepairCheckpointError, checkpoint_identity
+from picrag_core.engine_report import exact_kl
+from picrag_core.policies import parse_policy
+from picrag_core.repair.checkpoint import RepairCheckpointError, checkpoint_identity
 
 REFERENCE = "full"
 NAIVE = "naive"  # the KL every other policy's is measured against: reuse with no correction

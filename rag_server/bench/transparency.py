@@ -39,7 +39,7 @@ import httpx
 from rag_server.bench.transparency_requests import (AUTO, ENGINE, GENERATE, VANILLA, Generator, GeneratorSettings,
                                                     Request)
 from rag_server.bench.transparency_wire import Difference, Observation, Wire, compare
-from sglang_patches.policies import parse_policy
+from picrag_core.policies import parse_policy
 
 logger = logging.getLogger(__name__)
 # Log-probability rounding allowed between two answers of the same request. Measured on

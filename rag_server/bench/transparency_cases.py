@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from rag_server.bench.transparency_requests import AUTO, GENERATE, VANILLA, Request
-from sglang_patches.policies import parse_policy
+from picrag_core.policies import parse_policy
 
 if TYPE_CHECKING:
     from rag_server.bench.transparency import Violation

@@ -24,7 +24,7 @@ from rag_server.bench.common import BenchError, model_path_of, reporting_errors
 from rag_server.bench.transparency import TOLERANCE, FuzzConfig, fuzz
 from rag_server.bench.transparency_requests import AUTO, POLICIES, ROUTES, VANILLA, GeneratorSettings, Words
 from rag_server.bench.transparency_wire import Wire
-from sglang_patches.policies import PolicyError, parse_policy
+from picrag_core.policies import PolicyError, parse_policy
 
 
 def register(commands) -> None:

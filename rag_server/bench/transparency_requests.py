@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from sglang_patches.policies import parse_policy
+from picrag_core.policies import parse_policy
 
 AUTO = "auto"
 VANILLA = "vanilla"  # a plain prompt, no kv_hints (SGLang's own request)

@@ -22,9 +22,9 @@ import numpy as np
 from rag_server.bench.transparency_requests import (CHAT, COMPILE_ROUTES, ENGINE, ENGINE_COMPILE, RAG, VANILLA, Prompt,
                                                     Request, Words)
 from rag_server.linking.chunk_compiler import compile_request, segments_to_compile
-from sglang_patches.engine_report import FIRST_TOKEN_KEY as FULL_LOGPROBS_KEY
-from sglang_patches.engine_report import decode_floats as decode_logprobs
-from sglang_patches.link_hints import LinkRequest, hints_of, runtime_request
+from picrag_core.engine_report import FIRST_TOKEN_KEY as FULL_LOGPROBS_KEY
+from picrag_core.engine_report import decode_floats as decode_logprobs
+from picrag_core.link_hints import LinkRequest, hints_of, runtime_request
 
 
 @dataclass

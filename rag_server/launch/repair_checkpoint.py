@@ -21,9 +21,9 @@ SHIPPED_DIR = Path(__file__).resolve().parents[2] / "cache_repair" / "checkpoint
 
 def choose_repair_checkpoint(model_path: Path, requested: Optional[Path]) -> tuple[Optional[Path], Optional[str]]:
     """(checkpoint to load, None) or (None, why cacherepair is unavailable). Raises
-    sglang_patches.repair.checkpoint.RepairCheckpointError for a bad or foreign `requested` one."""
-    from sglang_patches.repair.checkpoint import RepairCheckpointError, RepairCheckpointMismatch, read_checkpoint_config
-    from sglang_patches.model_fingerprint import model_fingerprint
+    picrag_core.repair.checkpoint.RepairCheckpointError for a bad or foreign `requested` one."""
+    from picrag_core.repair.checkpoint import RepairCheckpointError, RepairCheckpointMismatch, read_checkpoint_config
+    from picrag_core.model_fingerprint import model_fingerprint
 
     fingerprint = model_fingerprint(model_path, torch.float32)
     if requested is not None:

@@ -34,8 +34,8 @@ from rag_server.linking.chunk_compiler import ROUTING_KEY_HEADER, ChunkCompiler,
 from rag_server.linking.pipeline import GenerationError, LinkPipeline
 from rag_server.linking.reuse_gate import FAILED, PASSED, SKIPPED, Check, SelfCheckReport
 from retrieval.prompt_layout import PromptLayout, PromptPassage
-from sglang_patches.engine_report import EngineReport
-from sglang_patches.link_hints import LinkRequest
+from picrag_core.engine_report import EngineReport
+from picrag_core.link_hints import LinkRequest
 from sglang_patches.selfcheck import SERVER_INFO_KEY
 
 logger = logging.getLogger(__name__)

@@ -29,8 +29,8 @@ from typing import Any, Optional
 
 import httpx
 
-from sglang_patches.chunk_key import chunk_key
-from sglang_patches.link_hints import LinkRequest, compile_hints
+from picrag_core.chunk_key import chunk_key
+from picrag_core.link_hints import LinkRequest, compile_hints
 
 # Keys of compiled pieces remembered (about 100 bytes each).
 KNOWN_PIECES = 100_000

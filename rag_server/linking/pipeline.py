@@ -35,8 +35,8 @@ from rag_server.linking import sse
 from rag_server.linking.chunk_compiler import ROUTING_KEY_HEADER, ChunkCompiler, CompileError, Pieces
 from rag_server.linking.policy_resolver import PolicyResolver
 from rag_server.linking.selection import selected_runs
-from sglang_patches.engine_report import EngineReport
-from sglang_patches.link_hints import MISS_REFUSAL, MISS_REFUSAL_STATUS, LinkRequest, runtime_request
+from picrag_core.engine_report import EngineReport
+from picrag_core.link_hints import MISS_REFUSAL, MISS_REFUSAL_STATUS, LinkRequest, runtime_request
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from typing import Optional
 
 from rag_server.linking.reuse_gate import REFUSE, ReuseGate
 from sglang_patches.attention_backends import backend_refusal
-from sglang_patches.link_hints import LinkRequest
-from sglang_patches.policies import POLICY_FAMILIES, Policy, PolicyError, PolicyFamily, parse_policy
+from picrag_core.link_hints import LinkRequest
+from picrag_core.policies import POLICY_FAMILIES, Policy, PolicyError, PolicyFamily, parse_policy
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 `picrag serve` checks, once its runtime is up, that chunk reuse gives what computing the prompt
 gives (rag_server/launch/selfcheck.py). When a check fails, every policy family that reuses
-chunks (the `reuses_chunks` flag in sglang_patches.policies) is turned away as
+chunks (the `reuses_chunks` flag in picrag_core.policies) is turned away as
 `--on-selfcheck-failure` says: served as `prefix` (the default: SGLang's exact prefix cache, so
 answers stay right and shared prefixes are still reused), served as `full`, or refused (HTTP 400
 with the reason); the policy resolver applies it (rag_server/linking/policy_resolver.py). The

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sglang_patches.reordered_layout import first_k_runs, merge_runs
+from picrag_core.reordered_layout import first_k_runs, merge_runs
 
 Span = tuple[int, int]
 

@@ -26,7 +26,7 @@ from typing import Any, Optional
 from rag_server.linking.policy_resolver import AUTO
 from rag_server.linking.policy_resolver import AUTO_FALLBACK as FALLBACK
 from rag_server.service.first_token_quality import BUCKET_BOUNDS, QualityRecord, bucket_labels, size_bucket
-from sglang_patches.policies import Policy, PolicyError, parse_policy
+from picrag_core.policies import Policy, PolicyError, parse_policy
 
 logger = logging.getLogger(__name__)
 

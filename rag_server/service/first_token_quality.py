@@ -3,7 +3,7 @@ that shadow sampling fills (rag_server/service/shadow.py) and the `auto` policy 
 (rag_server/service/auto_policy.py).
 
 A sample's KL(full || policy) is exact over the whole vocabulary
-(sglang_patches.engine_report.exact_kl). Agreement: both pick the same greedy first token.
+(picrag_core.engine_report.exact_kl). Agreement: both pick the same greedy first token.
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ from rag_server.service.context_window import ContextLimits, PromptTooLong, fit_
 from rag_server.service.quality import QualityControl, QualitySettings
 from retrieval.passage import Passage
 from retrieval.prompt_layout import DEFAULT_SYSTEM_PROMPT, CompiledPrompt, PromptLayout, PromptLayoutError, Tokenizer
-from sglang_patches.engine_report import EngineReport
-from sglang_patches.link_hints import LinkRequest
-from sglang_patches.policies import PolicyError
+from picrag_core.engine_report import EngineReport
+from picrag_core.link_hints import LinkRequest
+from picrag_core.policies import PolicyError
 
 if TYPE_CHECKING:
     from retrieval.retriever import Retriever

@@ -38,8 +38,8 @@ import numpy as np
 
 from rag_server.linking.pipeline import GenerationError, LinkPipeline
 from rag_server.service.first_token_quality import QualityRecord, Sample
-from sglang_patches.engine_report import EngineReport, exact_kl
-from sglang_patches.link_hints import LinkRequest
+from picrag_core.engine_report import EngineReport, exact_kl
+from picrag_core.link_hints import LinkRequest
 
 logger = logging.getLogger(__name__)
 

@@ -1,3 +1,3 @@
-"""CacheRepair at serving time: the repair network, its normalisation, checkpoints, and the
-link step that adds its residual to grafted chunk KV. Training lives in `cache_repair/`, which
-imports this package (never the other way round)."""
+"""CacheRepair at serving time: the link step that adds the repair network's residual to grafted
+chunk KV (`kv_repair`). The network and its checkpoints are picrag_core.repair, which training
+(cache_repair/) shares."""

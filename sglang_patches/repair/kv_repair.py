@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from sglang_patches.repair.network import chunk_ids_for
+from picrag_core.repair.network import chunk_ids_for
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +41,9 @@ def load_engine_repairer(model_path: Path):
     directory = os.environ.get(REPAIR_CHECKPOINT_ENV)
     if not directory:
         return None
-    from sglang_patches.repair.checkpoint import load_repairer
-    from sglang_patches.repair.config import read_token_embedding
-    from sglang_patches.model_fingerprint import model_fingerprint
+    from picrag_core.repair.checkpoint import load_repairer
+    from picrag_core.repair.config import read_token_embedding
+    from picrag_core.model_fingerprint import model_fingerprint
 
     # Repairers are trained on fp32 KV; the fingerprint names the weights, not the serving dtype.
     repairer = load_repairer(

@@ -20,10 +20,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from sglang_patches.file_digest import file_sha256
-from sglang_patches.repair.config import RepairConfig
-from sglang_patches.repair.network import KVRepairer, RepairNetwork
-from sglang_patches.repair.normalization import KVStats
+from picrag_core.file_digest import file_sha256
+from picrag_core.repair.config import RepairConfig
+from picrag_core.repair.network import KVRepairer, RepairNetwork
+from picrag_core.repair.normalization import KVStats
 
 WEIGHTS_FILE = "weights.safetensors"
 CONFIG_FILE = "config.json"

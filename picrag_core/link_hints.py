@@ -9,7 +9,7 @@ and versioned actions, delivered to the tree cache as `req.kv_hints`). Two actio
      "payload": {"policy": "naive", "chunks": [[start, end], ...]}}
 
   ``chunks`` are token spans of ``input_ids``, ascending and disjoint; ``policy`` names a family
-  of sglang_patches.policies (or a whole policy name, "legolink:4"). Its parameter travels as
+  of picrag_core.policies (or a whole policy name, "legolink:4"). Its parameter travels as
   ``k`` or ``ratio`` (the selecting families carry both), a prompt reordered by
   `runtime_request` carries ``"layout": "legolink"``, families that store chunks behind sinks
   carry ``sink_token`` (the model's BOS), and the selecting families carry the prompt positions
@@ -38,7 +38,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from sglang_patches.policies import (K, POLICY_FAMILIES, RATIO, ParamKind, Policy, PolicyError, PolicyFamily,
+from picrag_core.policies import (K, POLICY_FAMILIES, RATIO, ParamKind, Policy, PolicyError, PolicyFamily,
                                      parse_policy)
 
 LINK_ACTION = "picrag.link"
@@ -67,7 +67,7 @@ class LinkRequest:
     chunks: tuple[tuple[int, int], ...] = ()
     compile: bool = False
     k: int = 0  # families with param "k": tokens recomputed at the head of every chunk
-    layout: str = ORIGINAL_LAYOUT  # REORDERED_LAYOUT: input_ids arrive reordered (sglang_patches.reordered_layout)
+    layout: str = ORIGINAL_LAYOUT  # REORDERED_LAYOUT: input_ids arrive reordered (picrag_core.reordered_layout)
     sink_token: Optional[int] = None  # families with sink_tokens: the token compiled before each chunk
     ratio: float = 0.0  # families with param "ratio": fraction of chunk tokens recomputed after the check layer
     refuse_on_miss: bool = False  # answer at once, computing nothing, if a chunk is not stored on arrival
@@ -102,7 +102,7 @@ class LinkRequest:
     def recomputed_runs(self) -> list[tuple[int, int]]:
         """The chunk tokens a family with a reordered layout recomputes, as merged runs of the
         original prompt: the first k of every chunk, and what the link names besides."""
-        from sglang_patches.reordered_layout import first_k_runs, merge_runs
+        from picrag_core.reordered_layout import first_k_runs, merge_runs
 
         return merge_runs([*first_k_runs(self.chunks, self.k), *self.recompute])
 
@@ -298,10 +298,10 @@ def hints_of(link: LinkRequest) -> dict:
 def runtime_request(input_ids: list[int], link: LinkRequest) -> tuple[list[int], dict]:
     """The input_ids and kv_hints the runtime gets for a prompt in its original order: prompts of
     families with a reordered layout are reordered so the tokens recomputed inside the prompt
-    form the extend (sglang_patches.reordered_layout)."""
+    form the extend (picrag_core.reordered_layout)."""
     if not link.family.reordered_layout or not link.chunks:
         return input_ids, hints_of(link)
-    from sglang_patches.reordered_layout import reordered_layout
+    from picrag_core.reordered_layout import reordered_layout
 
     layout = reordered_layout(len(input_ids), link.chunks, link.recomputed_runs)
     reordered = dataclasses.replace(link, layout=REORDERED_LAYOUT)

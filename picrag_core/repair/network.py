@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang_patches.repair.config import RepairConfig
-from sglang_patches.repair.normalization import KVStats
+from picrag_core.repair.config import RepairConfig
+from picrag_core.repair.normalization import KVStats
 
 
 def chunk_ids_for(lengths: list[int]) -> torch.Tensor:

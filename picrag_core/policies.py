@@ -4,7 +4,7 @@ A policy name is a family, optionally with its parameter: ``legolink:4`` (k = 4)
 ``cacheblend:0.3`` (ratio 0.3); the selecting families also take ``,K`` after their ratio
 (``select:0.15,16``: the first 16 tokens of every chunk as well). A family named bare gets its
 default parameter (``legolink`` is ``legolink:16``). Everything that depends on what a policy does (the wire format in
-sglang_patches.link_hints, the chunk cache's routing and grafting, the frontend's availability
+picrag_core.link_hints, the chunk cache's routing and grafting, the frontend's availability
 checks, the CLI's help) reads the family's flags here, never its name. Adding a policy is one
 record in the table below plus the module that holds its algorithm.
 """
@@ -76,7 +76,7 @@ class PolicyFamily:
     # Chunks are compiled and stored behind this many sink tokens (the model's BOS), whose KV
     # is never linked.
     sink_tokens: int = 0
-    # The prompt goes to the runtime reordered (sglang_patches.reordered_layout): the chunk
+    # The prompt goes to the runtime reordered (picrag_core.reordered_layout): the chunk
     # tokens it recomputes (LegoLink's first k of every chunk, a selection's tokens) move behind
     # the chunks' kept tokens and are computed.
     reordered_layout: bool = False

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_patches.file_digest import file_sha256
+from picrag_core.file_digest import file_sha256
 
 logger = logging.getLogger(__name__)
 
