@@ -78,15 +78,20 @@ class BlendState:
     positions: Optional[torch.Tensor] = None  # the kept rows' positions, once shrunk
 
 
-def select_rows(deviation: torch.Tensor, candidates: torch.Tensor, length: int, ratio: float) -> torch.Tensor:
+def select_rows(deviation: torch.Tensor, candidates: torch.Tensor, length: int, ratio: float,
+                logprob_from: Optional[int] = None) -> torch.Tensor:
     """Extend-row indices computed after the check layer: the top `ratio` of candidates by
-    deviation, every non-candidate row and the last row, ascending."""
+    deviation, every non-candidate row, the last row and every row from `logprob_from` on (the
+    rows whose input log-probabilities the request asked for: only a computed row has one),
+    ascending."""
     keep = torch.ones(length, dtype=torch.bool)
     keep[candidates] = False
     n_top = min(len(candidates), math.ceil(ratio * len(candidates)))
     if n_top:
         keep[candidates[torch.topk(deviation, n_top).indices]] = True
     keep[length - 1] = True
+    if logprob_from is not None:
+        keep[logprob_from:] = True
     return keep.nonzero().squeeze(1)
 
 
@@ -174,7 +179,9 @@ def _shrink(state: BlendState, forward_batch, positions: torch.Tensor, hidden_st
         else:
             slots = forward_batch.out_cache_loc[starts[index] + rows.candidates].to(torch.int64)
             deviation = (fresh_v[slots].float() - rows.cached_v.float()).square().sum(dim=(1, 2))
-            keep = select_rows(deviation, rows.candidates, length, rows.ratio)
+            logprob_starts = forward_batch.extend_logprob_start_lens_cpu
+            keep = select_rows(deviation, rows.candidates, length, rows.ratio,
+                               None if logprob_starts is None else logprob_starts[index])
             dropped = length - len(keep)
             rows.stats.reused_tokens += dropped
             rows.stats.computed_tokens -= dropped

@@ -32,6 +32,8 @@ def test_select_rows_keeps_the_top_ratio_the_non_candidates_and_the_last_row():
     assert select_rows(deviation, candidates, 8, ratio=0.33).tolist() == [0, 2, 4, 7]
     assert select_rows(deviation, candidates, 8, ratio=0.0).tolist() == [0, 7]
     assert select_rows(deviation, candidates, 8, ratio=1.0).tolist() == list(range(8))
+    # Rows whose input log-probabilities were asked for are computed.
+    assert select_rows(deviation, candidates, 8, ratio=0.33, logprob_from=5).tolist() == [0, 2, 4, 5, 6, 7]
 
 
 @pytest.mark.server
@@ -62,3 +64,19 @@ def test_cacheblend_recomputes_the_ratio_of_chunk_tokens_plus_the_question(picra
     assert first_token_top(blend) != pytest.approx(first_token_top(naive), abs=1e-4)
     assert again["output_ids"] == blend["output_ids"]
     assert first_token_top(again) == pytest.approx(first_token_top(blend), abs=1e-5)
+
+
+@pytest.mark.server
+def test_input_logprobs_inside_the_chunks_are_computed_rows(picrag_server, layout, musique):
+    """A cacheblend link asking for input log-probabilities from inside its chunks keeps those
+    rows computed: the answer carries one per prompt token from there (this request took the
+    runtime down when the dropped rows had none)."""
+    row = musique[55]
+    prompt = layout.build(row["question"], passages_of(row, [0, 1]))
+    start = prompt.chunks[0][0] + 5
+    with picrag_server.client() as client:
+        blend = run(client, prompt, "cacheblend:0.15", top=True, logprob_start_len=start)
+        assert client.get("/health").status_code == 200
+    meta = picrag_meta(blend)
+    assert meta.computed_tokens >= len(prompt.input_ids) - start
+    assert len(blend["meta_info"]["input_token_logprobs"]) == len(prompt.input_ids) - start

@@ -34,7 +34,7 @@ AUTO = "auto"
 VANILLA = "vanilla"  # a plain prompt, no kv_hints (SGLang's own request)
 # Every policy family, with small parameters so that chunks hold more than k tokens.
 POLICIES = ("prefix", "naive", "legolink:2", "legolink:4", "legolink0", "cacheblend:0.3", "cacherepair",
-            "cacherepair+legolink:4", AUTO)
+            "cacherepair+legolink:4", "select:0.3", "select:0.2,2", "cacherepair+select:0.2,2", AUTO)
 
 GENERATE = "generate"  # the frontend's /generate (compiles, links, relinks)
 ENGINE = "engine"  # the runtime's /generate: picrag.compile of the pieces, then the runtime's link
