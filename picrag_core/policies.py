@@ -193,3 +193,15 @@ def parse_policy(name: str) -> Policy:
         raise PolicyError(f"policy {base!r} takes no ,{K.letter}")
     k = K.parse(base, k_text) if comma else 0
     return family.policy(kind.parse(base, text) if text else None, k)
+
+
+def policy_names(text: str) -> list[str]:
+    """The names of a comma-separated list ("naive,select:0.2,16,legolink:4"): a part that is a
+    whole number is the ",K" of the name before it, since a selecting family writes its K so."""
+    names: list[str] = []
+    for part in (part.strip() for part in text.split(",")):
+        if part.isdigit() and names and ":" in names[-1] and "," not in names[-1]:
+            names[-1] = f"{names[-1]},{part}"
+        elif part:
+            names.append(part)
+    return names

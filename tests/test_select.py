@@ -130,3 +130,10 @@ def test_select_recomputes_the_fraction_the_question_attends_to(picrag_server, l
     assert meta.policy == "select" and meta.chunk_hits == 3 and meta.chunk_misses == 0
     assert meta.computed_tokens == question_tokens(prompt) + 3 * 2 + math.ceil(0.2 * chunk_tokens)
     assert_same_answer(selected, explicit, abs_tol=1e-5)
+
+
+def test_policy_lists_keep_a_selecting_familys_k():
+    from picrag_core.policies import policy_names
+
+    assert policy_names("naive, select:0.2,16,legolink:4,select:0.1,cacherepair+select:0.3,2") == [
+        "naive", "select:0.2,16", "legolink:4", "select:0.1", "cacherepair+select:0.3,2"]

@@ -37,7 +37,7 @@ from retrieval.prompt_layout import CompiledPrompt, PromptLayout, PromptPassage
 from retrieval.qa_rows import QARow, QARowError, read_qa_rows
 from picrag_core.engine_report import EngineReport
 from picrag_core.link_hints import LinkRequest, link_hints
-from picrag_core.policies import PolicyError, parse_policy
+from picrag_core.policies import PolicyError, parse_policy, policy_names
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +91,8 @@ class PolicyChoice:
 
 def parse_policies(text: str) -> list[PolicyChoice]:
     choices: list[PolicyChoice] = []
-    for name in (part.strip() for part in text.split(",")):
-        if not name or any(c.name == name for c in choices):
+    for name in policy_names(text):
+        if any(c.name == name for c in choices):
             continue
         try:
             parse_policy(name)  # the engine's own parser: what it accepts can run

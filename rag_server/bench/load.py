@@ -43,6 +43,7 @@ from typing import Any
 
 import httpx
 
+from picrag_core.policies import policy_names
 from rag_server.bench.common import (
     BenchError,
     Measured,
@@ -245,7 +246,7 @@ def run_cells(url: str, prompts: list[CompiledPrompt], warm_up: list[CompiledPro
 
 
 def run_load(options: LoadOptions, progress: bool = True) -> dict[str, Any]:
-    names = [name.strip() for name in options.policies.split(",") if name.strip()]
+    names = policy_names(options.policies)
     with_vanilla = VANILLA in names
     picrag_policies = ",".join(name for name in names if name != VANILLA)
     choices = parse_policies(picrag_policies) if picrag_policies else []

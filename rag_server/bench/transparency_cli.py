@@ -24,7 +24,7 @@ from rag_server.bench.common import BenchError, model_path_of, reporting_errors
 from rag_server.bench.transparency import TOLERANCE, FuzzConfig, fuzz
 from rag_server.bench.transparency_requests import AUTO, POLICIES, ROUTES, VANILLA, GeneratorSettings, Words
 from rag_server.bench.transparency_wire import Wire
-from picrag_core.policies import PolicyError, parse_policy
+from picrag_core.policies import PolicyError, parse_policy, policy_names
 
 
 def register(commands) -> None:
@@ -84,7 +84,7 @@ def _routes(text: str) -> tuple[str, ...]:
 
 
 def _policies(text: str) -> tuple[str, ...]:
-    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    names = tuple(policy_names(text))
     try:
         for name in names:
             if name not in (AUTO, VANILLA):
