@@ -174,7 +174,7 @@ def build_plan(prompt: list[int], link: LinkRequest, repair_digest: Optional[str
                         if seg.is_chunk and not seg.recomputed_whole}.values())
     return LinkPlan(
         link, tuple(prompt), segments, stored, namespace,
-        tree_key=prompt_key(prompt, segments, whole_chunk=family.repairs) if link.chunks else None,
+        tree_key=prompt_key(prompt, segments, repaired=family.repairs) if link.chunks else None,
         order=reordered_layout(len(prompt), link.chunks, runs).order if reordered else None,
         repairs=family.repairs, stats=stats,
     )

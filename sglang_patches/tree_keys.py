@@ -26,8 +26,10 @@ In a linked prompt, a slot's value depends on
      sink tokens, the model's BOS, are in the namespace);
    * families sent reordered: the chunk's recomputed tokens before it (LegoLink's first k, a
      selection's tokens), which sit after every kept token;
-   * families that repair: the whole chunk (the repair network attends both ways inside a
-     chunk) and the checkpoint (its digest is in the namespace);
+   * families that repair: every chunk up to its own, whole (the repair network attends both
+     ways inside a chunk and from earlier chunks to later ones; an earlier chunk recomputed
+     whole, or its recomputed tokens, sit after this one in a reordered prompt), and the
+     checkpoint (its digest is in the namespace);
 5. the policy family and its parameter: the namespace (`namespace_of`).
 
 Chunk tokens that were not grafted (a chunk missing from the store, a graft cut short by
@@ -69,16 +71,23 @@ def store_key(chunk_tokens: Sequence[int]) -> array:
     return key
 
 
-def prompt_key(prompt: Sequence[int], segments: Sequence[Segment], whole_chunk: bool) -> array:
-    """The tree key of a linked prompt as sent. `whole_chunk`: the family's grafted KV depends
-    on the whole chunk (it repairs), not only on the chunk's tokens before each one."""
+def prompt_key(prompt: Sequence[int], segments: Sequence[Segment], repaired: bool) -> array:
+    """The tree key of a linked prompt as sent. `repaired`: the family's grafted KV is the
+    repair network's, which depends on every chunk up to its own, whole, not only on the
+    chunk's tokens before each one."""
     key = array("q", prompt)
+    seen: list[int] = []  # repaired: every chunk so far, in prompt order, each behind its length
+    chunks_seen: set[int] = set()
     for segment in segments:
+        if repaired and segment.is_chunk and segment.chunk not in chunks_seen:
+            # Its first segment, or its empty one (recomputed whole: the network's context all the same).
+            chunks_seen.add(segment.chunk)
+            seen += [len(segment.chunk_tokens), *segment.chunk_tokens]
         if not segment.is_chunk or segment.start == segment.end:
             continue
         for index in range(segment.start, segment.end):
             key[index] |= GRAFTED
-        depends_on = segment.chunk_tokens if whole_chunk else segment.chunk_tokens[: segment.chunk_offset]
+        depends_on = seen if repaired else segment.chunk_tokens[: segment.chunk_offset]
         key[segment.start] = segment_start(prompt[segment.start], depends_on)
     return key
 

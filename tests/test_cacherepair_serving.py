@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_patches.repair.kv_repair import RepairSpan, repair_spans
+from sglang_patches.repair.kv_repair import RepairPart, RepairSpan, repair_spans
 from picrag_core.rope_shift import KeyShifter
 from tests.chunk_requests import counters, first_token_top, passages_of, picrag_meta, question_tokens, run
 
@@ -51,8 +51,9 @@ def rope_shifter() -> KeyShifter:
 def test_repair_writes_rotated_residuals_on_grafted_slots_only(dtype):
     pool, shifter, repairer = FakePool(32), rope_shifter(), ConstantRepairer(dtype)
     context = RepairSpan(torch.tensor([0, 1, 2]), [7, 8, 9], position=4)
-    grafted = RepairSpan(torch.tensor([3, 4, 5, 6]), [10, 11, 12, 13], position=7, first=1, count=3,
-                         new_slots=torch.tensor([20, 21, 22]))
+    # Grafted as two runs (a reordered prompt recomputes tokens between them): tokens 1 and 2-3.
+    grafted = RepairSpan(torch.tensor([3, 4, 5, 6]), [10, 11, 12, 13], position=7,
+                         parts=[RepairPart(1, 1, torch.tensor([20])), RepairPart(2, 2, torch.tensor([21, 22]))])
     before_k = [k.clone() for k in pool.k]
     before_v = [v.clone() for v in pool.v]
     assert repair_spans(repairer, pool, shifter, [context, grafted]) == 3

@@ -179,3 +179,14 @@ def test_stored_chunks_share_no_nodes_not_even_a_common_start():
     assert store_key(chunk)[1:] == array("q", chunk[1:]) and store_key(chunk)[0] >= SEGMENT_START
     assert store_key(chunk)[0] != store_key(other)[0]
     assert store_key(chunk) == store_key(list(chunk))
+
+
+def test_a_repaired_chunk_after_one_recomputed_whole_depends_on_it():
+    """cacherepair+select (or +legolink with K over a whole chunk): the first chunk is recomputed
+    whole, so it sits after the second chunk's grafted tokens in the order sent, yet the repair
+    network saw it when it repaired the second chunk."""
+    first, second = [7, 2, *range(20, 40), 9], [7, 3, *range(20, 40), 9]
+    chunks = [(1, 2), (2, 22)]
+    plans = [admitted_plan(p, "cacherepair+select:0.1", chunks, DIGESTS[0], ((1, 2),)) for p in (first, second)]
+    assert plans[0].namespace == plans[1].namespace
+    assert _shared_prefix(plans[0].tree_key, plans[1].tree_key) == 1  # the head only

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from rag_server.bench.transparency_requests import AUTO, GENERATE, VANILLA, Request
+from picrag_core.link_hints import LinkRequest
 from picrag_core.policies import parse_policy
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ def _chunks(requests: list[Request]) -> list[tuple[int, ...]]:
 
 
 def _same_rest(victim: Request, attackers: list[Request]) -> bool:
-    k = parse_policy(victim.policy).param
+    k = LinkRequest.of(victim.policy, []).k  # LegoLink's k, or a selecting family's ",K"
     mine = _chunks([victim])
     return any(len(theirs) > k and theirs[k:] == chunk[k:] and theirs[:k] != chunk[:k]
                for chunk in mine for theirs in _chunks(attackers))
