@@ -129,8 +129,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                           help="default: CKPT_DIR/eval_<split>.json (required with --naive)")
     evaluate.add_argument("--model", default=None, metavar="PRESET|PATH",
                           help="default: the model folder in the pairs manifest")
-    evaluate.add_argument("--float32", action="store_true",
-                          help="run the network in float32 (default: the precision it is served in here)")
+    evaluate.add_argument("--bfloat16", action="store_true",
+                          help="run the network's products in bfloat16 (default: float32, as it is served)")
     _threads_option(evaluate)
     evaluate.set_defaults(func=_guarded("eval", _eval))
     return parser
@@ -218,7 +218,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     from picrag_core.repair.checkpoint import load_repairer
     from picrag_core.repair.config import RepairConfig, read_token_embedding
-    from picrag_core.repair.network import RepairNetwork, serving_precision
+    from picrag_core.repair.network import RepairNetwork
     from cache_repair.pairs import pairs_model, read_manifest, shard_paths
     from cache_repair.train import answer_reader, compute_stats, evaluate
     from picrag_core.model_store import resolve_model
@@ -234,7 +234,7 @@ def _eval(args: argparse.Namespace) -> int:
     else:
         repairer = load_repairer(args.checkpoint, read_token_embedding(model_dir), fingerprint)
         network, stats = repairer.network, repairer.stats
-    precision = torch.float32 if args.float32 else serving_precision(torch.device("cpu"))
+    precision = torch.bfloat16 if args.bfloat16 else torch.float32
     result = evaluate(network, stats, paths, answer_reader(args.pairs, model_dir), precision)
     print(f"{args.split}: {result.groups} groups, {result.tokens} chunk tokens, loss {result.loss:.4f}, "
           f"network in {_dtype_name(precision)}")

@@ -162,7 +162,7 @@ class RelativeError:
 @torch.no_grad()
 def evaluate(network: RepairNetwork, stats: KVStats, paths: list[Path], reader: FrozenReader | None = None,
              precision: torch.dtype = torch.float32) -> Evaluation:
-    """`precision`: what the network's products run in (serving's: network.serving_precision)."""
+    """`precision`: what the network's products run in (served in float32)."""
     was_training = network.training
     network.eval()
     errors = RelativeError(network.config.num_layers)

@@ -288,9 +288,8 @@ def test_tiny_pairs_train_and_eval(maker, default_model_dir, shared_qa, tmp_path
     resumed = load_repairer(checkpoint, embedding, repairer.fingerprint)
     assert torch.equal(resumed.network.head.weight, repairer.network.head.weight)
 
-    # `evaluate` above ran the network in float32; the command's default is the served precision.
-    assert repair_cli("repair", "eval", "--pairs", out, "--checkpoint", checkpoint, "--split", "train",
-                      "--float32") == 0
+    # `evaluate` above ran the network in float32, as it is served and as the command does by default.
+    assert repair_cli("repair", "eval", "--pairs", out, "--checkpoint", checkpoint, "--split", "train") == 0
     report = json.loads((checkpoint / "eval_train.json").read_text())
     assert report["precision"] == "float32"
     assert report["overall_k"] == pytest.approx(after.overall_k) and len(report["relative_v"]) == 30

@@ -134,19 +134,6 @@ class RepairNetwork(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
 
-def serving_precision(device: torch.device) -> torch.dtype:
-    """The precision the network's matrix products run in when serving: bfloat16 where the
-    device multiplies it natively (CUDA; CPUs with AVX512-BF16 or AMX), because the pass over
-    the prompt's chunk tokens is on every cacherepair request's time to first token; float32
-    elsewhere (emulated bfloat16 is slower than float32). Inputs and outputs stay float32;
-    `picrag repair eval` evaluates in this precision unless told `--float32`."""
-    if device.type == "cuda":
-        return torch.bfloat16
-    if device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
-
-
 def in_precision(device: torch.device, precision: torch.dtype):
     """A context in which the network's products run in `precision` (autocast; a no-op for float32)."""
     return torch.autocast(device.type, dtype=precision, enabled=precision != torch.float32)
@@ -178,14 +165,16 @@ class KVRepairer:
     def residual(
         self, stale_k: torch.Tensor, stale_v: torch.Tensor, token_ids: torch.Tensor, chunk_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Raw RoPE-free stale K/V [T, L, H, D] -> raw residuals on the repairer's device, in the
-        precision the network ran in (bfloat16 where it is served so; widening the whole output
-        would be one more pass over it, so callers widen the rows they use): repaired = stale +
-        residual, before re-rotating K to its global positions."""
+        """Raw RoPE-free stale K/V [T, L, H, D] -> raw float32 residuals on the repairer's device:
+        repaired = stale + residual, before re-rotating K to its global positions.
+
+        Served in float32 on every device: the tree shares repaired KV between requests whose
+        network passes held other chunks besides, and bfloat16's rounding depends on them (it
+        moved a victim's first-token log-probabilities by 8e-4 where float32 moves them by about
+        1e-5: sglang_patches.tree_keys)."""
         device = self.device
-        with in_precision(device, serving_precision(device)):
-            return self.network(stale_k.to(device, torch.float32), stale_v.to(device, torch.float32),
-                                token_ids.to(device), chunk_ids.to(device), scales=self.stats)
+        return self.network(stale_k.to(device, torch.float32), stale_v.to(device, torch.float32),
+                            token_ids.to(device), chunk_ids.to(device), scales=self.stats)
 
 
 def _digest(network: RepairNetwork, stats: KVStats) -> str:

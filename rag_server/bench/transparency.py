@@ -17,7 +17,9 @@ changing its pick is by design. Two cross checks work on references only:
   alone, or the batch is refused; a batch served where its single form is refused is a violation;
 * route: a frontend `/generate` link answers like the same policy computed independently on the
   runtime (its pieces compiled with picrag.compile, then linked in the runtime's own format),
-  where the runtime answers that at all.
+  where the runtime answers that at all. Not for the selecting families, whose frontend first
+  measures what to recompute (tests/test_select.py compares that with a link naming the same
+  positions).
 
 A violation keeps the requests before it in its episode; `shrink` replays subsets of them to
 find a minimal sequence of attackers that still moves the victim.
@@ -291,7 +293,7 @@ class Fuzzer:
         if request.batch:
             found += self._form_check(request)
         elif (request.route == GENERATE and self.wire.engine is not None and request.policy != VANILLA
-              and not request.client_layout):
+              and not request.client_layout and not _selects(request.policy)):
             twin = dataclasses.replace(request, route=ENGINE)
             # The runtime may refuse a hint only picrag's frontend may send; the frontend must then
             # still answer, so only two answers are compared.
@@ -361,3 +363,7 @@ def fuzz(wire: Wire, flush: Callable[[], None], config: FuzzConfig) -> Report:
     """One seeded run of `config.requests` requests."""
     generator = Generator(wire.words, config.seed, dataclasses.replace(config.generator, bos=wire.bos))
     return Fuzzer(wire, flush, config).run(generator.episodes(config.requests))
+
+
+def _selects(policy: str) -> bool:
+    return policy != AUTO and parse_policy(policy).family.scored_as is not None
