@@ -159,8 +159,9 @@ class RagService:
                 candidates = keep_best(candidates, request.top_k)
         budget = self.limits.prompt_budget(request.max_tokens)
         try:
-            # Templating and tokenizing a large input take a while: off the event loop.
-            fitted = await asyncio.to_thread(fit_passages, self._layout(request), request.question, candidates, budget)
+            # Templating and tokenizing a large input (the chat's head included) take a while: off the event loop.
+            fitted = await asyncio.to_thread(
+                lambda: fit_passages(self._layout(request), request.question, candidates, budget))
         except (PromptLayoutError, PromptTooLong) as exc:
             raise RagRequestError(str(exc)) from exc
         warnings = []
