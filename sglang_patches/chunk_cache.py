@@ -68,7 +68,7 @@ from sglang_patches.cacheblend import blend_plan
 from picrag_core.chunk_key import chunk_key
 from sglang_patches.disk_chunk_store import CorruptChunkFile, DiskChunkStore
 from picrag_core.link_hints import MISS_REFUSAL, LinkHintError
-from sglang_patches.link_plan import PLAN_ATTR, LinkPlan, build_plan
+from sglang_patches.link_plan import PLAN_ATTR, LinkPlan, LinkStats, build_plan
 from sglang_patches.repair.kv_repair import RepairPart, RepairSpan, repair_spans
 from sglang_patches.request_guard import EngineSettings, admitted_link, client_namespace, shape_of_req
 from picrag_core.rope_shift import KeyShifter
@@ -178,6 +178,7 @@ class ChunkRadixCache(RadixCache):
         if link is not None:
             digest = None if self.repairer is None else self.repairer.checkpoint_digest
             plan = build_plan(list(req.origin_input_ids), link, digest)
+            plan.count = self._count
             if not link.family.inserts_into_tree:
                 # full stores nothing. A blended token's KV depends on the whole prompt (the
                 # deviation ranking), so it is no prefix to share; cacheblend's namespace only
@@ -512,6 +513,9 @@ class ChunkRadixCache(RadixCache):
         stats = plan.stats
         if stats.policy == "compile" and stats.chunk_misses and checkpointed and self.disk_store is not None:
             self._save_to_disk(req.origin_input_ids)
+        plan.answered()  # counted here if no output was built for it (an abort)
+
+    def _count(self, stats: LinkStats) -> None:
         prefix = "compile_" if stats.policy == "compile" else ""
         self.counters.add(f"{prefix}requests")
         self.counters.add(f"{prefix}chunk_hits", stats.chunk_hits)

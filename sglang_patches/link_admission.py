@@ -35,6 +35,10 @@ def _refuse(scheduler, req, message: str) -> None:
 
     from picrag_core.link_hints import MISS_REFUSAL_STATUS
 
+    from sglang_patches.link_plan import plan_of
+
+    # Counted as a refusal (ChunkRadixCache.lease_chunks), not as a request served.
+    plan_of(req).count = None
     prepare_abort(req, message, status_code=MISS_REFUSAL_STATUS)
     scheduler.output_streamer.stream_output([req], req.return_logprob)
 

@@ -95,10 +95,19 @@ class LinkPlan:
     blend: Any = None  # sglang_patches.cacheblend.BlendPlan, set when the request is matched
     # Ends the request's lease on its stored chunks (set by the chunk cache while one is held).
     end_lease: Optional[Callable[[], None]] = field(default=None, repr=False)
+    # Adds the request's accounting to the engine's counters (set by the chunk cache; once).
+    count: Optional[Callable[[LinkStats], None]] = field(default=None, repr=False)
 
     @property
     def family(self) -> PolicyFamily:
         return self.link.family
+
+    def answered(self) -> None:
+        """The request's last output is being built: it is counted now, before its client can
+        read the counters (at the release of its KV, which follows, a client could be first)."""
+        count, self.count = self.count, None
+        if count is not None:
+            count(self.stats)
 
     def release_lease(self) -> None:
         end, self.end_lease = self.end_lease, None

@@ -26,6 +26,8 @@ def add_link_stats(result, _streamer, req):
     plan = plan_of(req)
     if plan is None:
         return result
+    if req.finished():
+        plan.answered()
     stats = plan.stats
     meta = {**(result or {"device": 0, "host": 0}), **stats.as_meta()}
     first_token = take_for_output(stats, streamed=bool(req.stream))

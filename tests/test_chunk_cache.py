@@ -152,3 +152,21 @@ def test_chunks_lost_after_compile_are_compiled_and_linked_again(picrag_server, 
     assert again["output_ids"] == first["output_ids"]
     assert logprobs_of(again) == logprobs_of(first)
     assert events[-1]["output_ids"] == first["output_ids"]
+
+
+def test_a_request_is_counted_before_its_answer_arrives(picrag_server, layout, musique):
+    """The engine counts a linked request as it builds its last output, not when it releases the
+    request's KV afterwards: a client that reads the counters as soon as its answer (streamed or
+    not) is in finds it counted, every time, with no waiting."""
+    row = musique[58]
+    prompt = layout.build(row["question"], passages_of(row, [0, 1]))
+    with picrag_server.client() as client:
+        generate(client, prompt.input_ids, "naive", prompt.chunks)  # compiles the passages
+        for stream in [False, True] * 6:
+            before = counters(client)
+            response = client.post("/generate", json={
+                "input_ids": prompt.input_ids, "kv_hints": link_hints("naive", list(prompt.chunks)),
+                "sampling_params": {"temperature": 0, "max_new_tokens": 2}, "stream": stream})
+            assert response.status_code == 200 and response.text, response.text  # the whole answer is in
+            after = counters(client)
+            assert after["requests"] - before["requests"] == 1, f"stream={stream}"
