@@ -1,5 +1,12 @@
-"""Shared fixtures: the QA data, the default model folder, its tokenizer and prompt layout, and one
-real picrag server per test session."""
+"""Shared fixtures: the QA data, the default model folder, its tokenizer and prompt layout, and the
+two real picrag servers shared by the session; and how the suite is split and scheduled.
+
+Every test is marked `e2e` (it runs a real SGLang runtime: it uses one of the session's servers or
+is marked `server` or `slow`) or `unit` (fakes at most): `make test ARGS="-m unit"` runs the quick
+half. `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`); each module is
+one group, and the modules that share a session server form one group with it, so each real
+runtime starts once in a session, on one worker; those groups go first.
+"""
 
 from __future__ import annotations
 
@@ -61,11 +68,36 @@ def file_bytes(directory: Path) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
 
 
+# Session fixtures that start a real runtime: the modules using one share a worker (see above).
+SESSION_SERVERS = ("picrag_server", "shipped_checkpoint_server")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (its own hook, on every worker)
+def pytest_collection_modifyitems(config, items) -> None:
+    group_of_module: dict[str, str] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        server = next((name for name in SESSION_SERVERS if name in item.fixturenames), None)
+        if server is not None:
+            group_of_module[module] = server  # a module using both would need one group for both
+        group_of_module.setdefault(module, module)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group_of_module[item.nodeid.split("::")[0]]))
+        real = (any(name in item.fixturenames for name in SESSION_SERVERS)
+                or item.get_closest_marker("server") or item.get_closest_marker("slow"))
+        item.add_marker(pytest.mark.e2e if real else pytest.mark.unit)
+    # The largest groups first (the session servers' modules): xdist hands groups out in this
+    # order, and one started last would run alone at the end.
+    first = {name: index for index, name in enumerate(SESSION_SERVERS)}
+    items.sort(key=lambda item: first.get(group_of_module[item.nodeid.split("::")[0]], len(first)))
+
+
 class ServerHandle:
-    def __init__(self, url: str, process: subprocess.Popen, log: Path):
+    def __init__(self, url: str, process: subprocess.Popen, log: Path, picrag_home: Path | None = None):
         self.url = url
         self.process = process
         self.log = log
+        self.picrag_home = picrag_home  # the PICRAG_HOME it was started with, when not the user's
 
     def client(self, timeout: float = 600.0) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=timeout)
@@ -82,18 +114,28 @@ class ServerHandle:
         raise AssertionError("no sglang.launch_server under picrag serve")
 
 
-def start_picrag_server(log: Path, extra_args: list[str]) -> ServerHandle:
+def start_picrag_server(log: Path, extra_args: list[str], default_corpus: bool = False) -> ServerHandle:
+    """`picrag serve` with no passage index (tests that retrieve bring their own), or with
+    `default_corpus` the default corpus's first 40 passages, built into an index under a
+    PICRAG_HOME of its own that shares the converted models of the real one."""
+    from picrag_core.model_store import models_dir
     from rag_server.launch.ports import free_port
     from rag_server.launch.serve_process import ServeStartError, start_picrag_serve
 
     port = free_port()
-    try:
-        # No passage index: tests that retrieve bring their own (tests/test_default_corpus.py
-        # starts the one server that serves the default corpus).
-        process = start_picrag_serve(port, ["--no-index", *extra_args], log)
-    except ServeStartError as exc:
-        pytest.fail(str(exc))
-    return ServerHandle(f"http://127.0.0.1:{port}", process, log)
+    home = None
+    with pytest.MonkeyPatch.context() as patch:  # the server inherits the environment
+        if default_corpus:
+            home = log.parent / "picrag-home"
+            home.mkdir()
+            (home / "models").symlink_to(models_dir())
+            patch.setenv("PICRAG_HOME", str(home))
+        index_args = ["--default-corpus-passages", "40"] if default_corpus else ["--no-index"]
+        try:
+            process = start_picrag_serve(port, [*index_args, *extra_args], log)
+        except ServeStartError as exc:
+            pytest.fail(str(exc))
+    return ServerHandle(f"http://127.0.0.1:{port}", process, log, home)
 
 
 def stop_picrag_server(handle: ServerHandle) -> None:
@@ -152,11 +194,13 @@ def picrag_server(default_model_dir: Path, zero_repair_checkpoint: Path, tmp_pat
 
 @pytest.fixture(scope="session")
 def shipped_checkpoint_server(default_model_dir: Path, tmp_path_factory) -> ServerHandle:
-    """`picrag serve` with its defaults' CacheRepair checkpoint (the one shipped for the default
-    model), for end-to-end tests where cacherepair must repair: picrag_server's zero checkpoint
-    makes it naive. No shadow samples: they would be traffic of their own between a test's requests."""
+    """`picrag serve` as `make serve` starts it: its defaults' CacheRepair checkpoint (the one
+    shipped for the default model), for end-to-end tests where cacherepair must repair
+    (picrag_server's zero checkpoint makes it naive), and with no --index the default corpus
+    (40 passages of it). No shadow samples: they would be traffic of their own between a test's
+    requests."""
     log = tmp_path_factory.mktemp("shipped-server") / "server.log"
     handle = start_picrag_server(
-        log, ["--shadow-rate", "0", *shlex.split(os.environ.get("PICRAG_TEST_SERVER_ARGS", ""))])
+        log, ["--shadow-rate", "0", *shlex.split(os.environ.get("PICRAG_TEST_SERVER_ARGS", ""))], default_corpus=True)
     yield handle
     stop_picrag_server(handle)

