@@ -41,6 +41,8 @@ def register(commands) -> None:
                         "'none': leave out the engine routes)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--requests", type=int, default=500, metavar="N", help="requests played (default 500)")
+    parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                        help="start no episode after this long, and report what was played (default: none)")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated (default: all)")
     parser.add_argument("--routes", default=",".join(ROUTES), help="comma-separated (default: all)")
     parser.add_argument("--tolerance", type=float, default=TOLERANCE,
@@ -112,7 +114,7 @@ def _main(args) -> int:
     settings = GeneratorSettings(policies=_policies(args.policies), routes=routes,
                                  start_len_zero=not args.no_start_len_zero)
     config = FuzzConfig(seed=args.seed, requests=args.requests, tolerance=args.tolerance, generator=settings,
-                        cross_checks=not args.no_cross_checks)
+                        cross_checks=not args.no_cross_checks, time_budget_s=args.time_budget)
     with httpx.Client(base_url=url, timeout=600) as frontend, \
             httpx.Client(base_url=engine_url or url, timeout=600) as engine:
         wire = Wire(frontend, engine if engine_url else None, Words.of_tokenizer(tokenizer), tokenizer.bos_token_id)
