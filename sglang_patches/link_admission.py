@@ -34,7 +34,6 @@ def _refuse(scheduler, req, message: str) -> None:
     from sglang.srt.disaggregation.utils import prepare_abort
 
     from picrag_core.link_hints import MISS_REFUSAL_STATUS
-
     from sglang_patches.link_plan import plan_of
 
     # Counted as a refusal (ChunkRadixCache.lease_chunks), not as a request served.

@@ -86,8 +86,8 @@ def pytest_collection_modifyitems(config, items) -> None:
         real = (any(name in item.fixturenames for name in SESSION_SERVERS)
                 or item.get_closest_marker("server") or item.get_closest_marker("slow"))
         item.add_marker(pytest.mark.e2e if real else pytest.mark.unit)
-    # The largest groups first (the session servers' modules): xdist hands groups out in this
-    # order, and one started last would run alone at the end.
+    # The session servers' groups first (the largest: most end-to-end modules are in them): xdist
+    # hands groups out in this order, and a large one handed out last would run alone at the end.
     first = {name: index for index, name in enumerate(SESSION_SERVERS)}
     items.sort(key=lambda item: first.get(group_of_module[item.nodeid.split("::")[0]], len(first)))
 
