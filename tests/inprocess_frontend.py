@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rag_server.api.admission import Admission
 
 
 @contextmanager
@@ -33,6 +37,24 @@ def serving(app, graceful_shutdown_s: float | None = None) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(60)
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Until `condition()` holds; fails after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def admission_of(app) -> Admission:
+    """The app's admission middleware (Starlette builds its middleware at the first request)."""
+    from rag_server.api.admission import Admission
+
+    layer = app.middleware_stack
+    while not isinstance(layer, Admission):
+        layer = layer.app
+    return layer
 
 
 @contextmanager

@@ -5,7 +5,6 @@ request needs. The runtime is a fake (tests/fake_runtime.py) that counts its cal
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 
@@ -13,16 +12,9 @@ from rag_server.api.app import create_app
 from rag_server.api.health import HealthMonitor
 from rag_server.api.upstream import MAX_CONNECTIONS
 from tests.fake_runtime import fake_runtime
-from tests.inprocess_frontend import frontend, serving
+from tests.inprocess_frontend import frontend, serving, wait_for
 
 FLOOD = MAX_CONNECTIONS + 50  # more than the frontend's connections to the runtime
-
-
-def wait_for(condition, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 def test_health_calls_never_reach_the_runtime(default_model_dir):

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from rag_server.api.auth import presented_key
-from tests.inprocess_frontend import frontend
+from tests.inprocess_frontend import admission_of, frontend, serving, wait_for
 
 pytestmark = pytest.mark.server
 
@@ -100,8 +100,10 @@ def test_cors_preflight_and_headers(guarded, picrag_server):
 
 
 def test_503_with_retry_after_beyond_inflight_and_queue(picrag_server):
-    with frontend(picrag_server.url, max_inflight=1, max_queue=1) as url, \
-            httpx.Client(base_url=url, timeout=120) as client:
+    from rag_server.api.app import create_app
+
+    app = create_app(picrag_server.url, max_inflight=1, max_queue=1)
+    with serving(app) as url, httpx.Client(base_url=url, timeout=120) as client:
         queued: list[httpx.Response] = []
         with client.stream("POST", "/generate", json=long_generation()) as running:
             # Keep the iterator: a discarded one closes the stream, and the slot with it.
@@ -110,7 +112,7 @@ def test_503_with_retry_after_beyond_inflight_and_queue(picrag_server):
             waiter = threading.Thread(target=lambda: queued.append(client.post("/generate", json={
                 "text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}})))
             waiter.start()
-            time.sleep(1.0)  # the second request is in the queue
+            wait_for(lambda: admission_of(app).slots.waiting == 1)  # the second request is in the queue
             assert waiter.is_alive()
             refused = client.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 1}})
             assert refused.status_code == 503, refused.text
