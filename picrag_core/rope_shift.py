@@ -4,8 +4,8 @@ SGLang's KV pool holds keys after RoPE. RoPE rotates every (x1_i, x2_i) pair by 
 pos * theta_i, so a key computed at position p is moved to position p + d by one more
 rotation by d * theta_i: R(p + d) = R(d) R(p). The angle table is the model's own
 `cos_sin_cache` row d, so any per-dimension frequency change (Llama-3 rope scaling) is
-honoured. Tables that also scale magnitudes (YaRN's mscale) are not pure rotations and are
-refused rather than silently mis-rotated.
+honoured. A table scaled by one constant (YaRN's mscale) is divided by it first; tables whose
+magnitude varies are not rotations and are refused rather than silently mis-rotated.
 """
 
 from __future__ import annotations
@@ -20,13 +20,18 @@ class RopeShiftError(ValueError):
 class KeyShifter:
     def __init__(self, cos_sin_cache: torch.Tensor, head_dim: int, rotary_dim: int, is_neox_style: bool):
         half = rotary_dim // 2
-        cos, sin = cos_sin_cache[:, :half].float(), cos_sin_cache[:, half:rotary_dim].float()
+        cos, sin = cos_sin_cache[:, :half].double(), cos_sin_cache[:, half:rotary_dim].double()
         magnitude = cos.square() + sin.square()
-        if not torch.allclose(magnitude, torch.ones_like(magnitude), atol=1e-4):
+        scale = magnitude.mean()
+        if not torch.allclose(magnitude, scale.expand_as(magnitude), rtol=1e-4, atol=1e-6):
             raise RopeShiftError(
-                "the model's rotary table scales magnitudes (e.g. YaRN mscale); "
-                "delta re-rotation of cached keys is only exact for pure rotations"
+                "the model's rotary table scales magnitudes by position or dimension; "
+                "delta re-rotation of cached keys is only exact for rotations times one constant"
             )
+        if not torch.allclose(scale, torch.ones_like(scale), atol=1e-4):
+            # YaRN multiplies cos and sin by one constant m: a key at p is m R(p) k, and at p + d
+            # it is R(d) (m R(p) k), so the shift is the table's rotation with m divided out.
+            cos_sin_cache = (cos_sin_cache.double() / scale.sqrt()).to(cos_sin_cache.dtype)
         self.cos_sin_cache = cos_sin_cache
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim

@@ -92,6 +92,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from picrag_core.repair.checkpoint import RepairCheckpointError
     from rag_server.linking.policy_resolver import PolicyResolver, PolicyUnavailable, engine_refusals
+    from rag_server.launch.model_check import ModelUnservable, served_model_traits
     from rag_server.launch.repair_checkpoint import choose_repair_checkpoint
     from rag_server.service.quality import QualitySettings
     from rag_server.service.shadow import ShadowSettings
@@ -129,9 +130,10 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
 
     try:
+        model = served_model_traits(model_path, runtime.config.attention_backend)
         policies = PolicyResolver.start(args.default_policy,
-                                        engine_refusals(runtime.config.attention_backend, repair_unavailable))
-    except PolicyUnavailable as exc:
+                                        engine_refusals(runtime.config.attention_backend, repair_unavailable, model))
+    except (PolicyUnavailable, ModelUnservable) as exc:
         print(f"picrag serve: error: {exc}", file=sys.stderr)
         return 2
 
@@ -266,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--model", default=None, metavar="PRESET|PATH",
                        help=f"a model preset ({', '.join(PRESETS)}; default {DEFAULT_PRESET}, "
-                       "converted on first use) or an HF-format Llama/Qwen2 folder")
+                       "converted on first use) or an HF-format model folder (docs/models.md: the families "
+                       "tested and the policies each allows)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="frontend port (default 8000)")
     serve.add_argument("--runtime-port", type=int, default=0,

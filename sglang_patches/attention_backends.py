@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from picrag_core.model_support import ModelTraits
 from picrag_core.policies import PolicyFamily
 
 NATIVE_BACKEND = "picrag_native"  # CPU: sglang_patches.attention
@@ -23,4 +24,13 @@ def backend_refusal(family: PolicyFamily, attention_backend: Optional[str]) -> O
     if family.position_masked and attention_backend not in POSITION_MASKED_BACKENDS:
         return (f"it needs attention masked by true position, which the {attention_backend!r} attention "
                 f"backend does not do (picrag's backends do: {', '.join(POSITION_MASKED_BACKENDS)})")
+    return None
+
+
+def model_backend_refusal(traits: ModelTraits, attention_backend: Optional[str]) -> Optional[str]:
+    """Why the model cannot be served at all on `attention_backend`; None if it can."""
+    if traits.attention_softcap and attention_backend == NATIVE_BACKEND:
+        return (f"the model soft-caps attention logits (attn_logit_softcapping {traits.attention_softcap:g}), "
+                f"which the {NATIVE_BACKEND} attention backend does not apply: its answers would be wrong "
+                f"(on CUDA, {FLASHINFER_BACKEND} applies it)")
     return None

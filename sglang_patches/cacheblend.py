@@ -19,7 +19,7 @@ paper:
 The logits processor picks each request's last extend row from the shrunk lengths, so decoding
 and other requests in the batch are untouched. Step 1 runs when the batch is made
 (sglang_patches.batch_annotations); steps 2-4 in an AROUND hook on the decoder layers of the
-supported models.
+supported models (LAYER_HOOK_TARGETS).
 """
 
 from __future__ import annotations
@@ -37,9 +37,13 @@ logger = logging.getLogger(__name__)
 
 CHECK_LAYER = 1
 
+# The decoder layers that hand rows on through SGLang's residual stream, which `_shrink` folds;
+# picrag_core.model_support.BLEND_ARCHITECTURES names the architectures built of them, and
+# cacheblend is refused for any other (tests/test_sglang_seams.py holds the two together).
 LAYER_HOOK_TARGETS = (
     "sglang.srt.models.llama.LlamaDecoderLayer.forward",
     "sglang.srt.models.qwen2.Qwen2DecoderLayer.forward",
+    "sglang.srt.models.qwen3.Qwen3DecoderLayer.forward",
 )
 
 

@@ -94,7 +94,8 @@ def _chunk_cache_factory(ctx):
     else:
         cache = ChunkRadixCache(
             ctx.params, kv_pool=kv_pool, shifter=shifter,
-            engine=EngineSettings(_sink_token(ctx), ctx.server_args.attention_backend),
+            engine=EngineSettings.of(_sink_token(ctx), ctx.server_args.attention_backend,
+                                     ctx.tp_worker.model_runner.model_config.hf_config),
             counters=prometheus_counters(), disk_store=_disk_store(ctx, kv_pool),
             repairer=load_engine_repairer(Path(ctx.server_args.model_path)),
         )

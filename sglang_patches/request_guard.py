@@ -11,7 +11,8 @@ chunk cache is shared by every client. So the engine itself (not only the fronte
 * a picrag action is admitted only as picrag itself sends it (`admitted_link`): a plain token
   prompt; a compile only into the shared store (no client namespace, cache salt or LoRA) and
   generating nothing; a reordered layout only for a family that reorders, with chunks; the sink
-  token only the model's own; a family only where the attention backend can run it.
+  token only the model's own; a family only where the attention backend can run it and the
+  model allows it (picrag_core.model_support: sliding windows, latent attention, RoPE variants).
 
 Every form of `kv_hints` reaches the same check: SGLang splits a batch (one envelope for all
 prompts, or a list of one per prompt) and validates each prompt with its own envelope. The
@@ -29,12 +30,13 @@ as its own.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from sglang_patches.attention_backends import backend_refusal
 from picrag_core.link_hints import REORDERED_LAYOUT, LinkHintError, LinkRequest, parse_link_request
+from picrag_core.model_support import ModelTraits, model_refusals
 from sglang_patches.sampling_guard import check_request as check_sampling
 from sglang_patches.tree_keys import NAMESPACE_PREFIX
 
@@ -87,6 +89,12 @@ class EngineSettings:
 
     sink_token: Optional[int]  # the model's BOS
     attention_backend: Optional[str]
+    model_refusals: Mapping[str, str] = field(default_factory=dict)  # family -> why the model forbids it
+
+    @classmethod
+    def of(cls, sink_token: Optional[int], attention_backend: Optional[str], hf_config) -> EngineSettings:
+        """`hf_config`: the served model's transformers config (SGLang's model_config.hf_config)."""
+        return cls(sink_token, attention_backend, model_refusals(ModelTraits.of_config(hf_config.to_dict())))
 
 
 def admitted_link(kv_hints: Any, shape: RequestShape, engine: EngineSettings) -> Optional[LinkRequest]:
@@ -106,7 +114,7 @@ def admitted_link(kv_hints: Any, shape: RequestShape, engine: EngineSettings) ->
         if shape.max_new_tokens is None or shape.max_new_tokens > 1:
             raise LinkHintError("picrag.compile generates nothing: send max_new_tokens 0 or 1")
         return link
-    refusal = backend_refusal(link.family, engine.attention_backend)
+    refusal = backend_refusal(link.family, engine.attention_backend) or engine.model_refusals.get(link.family.name)
     if refusal:
         raise LinkHintError(f"{link.policy} cannot run on this engine: {refusal}")
     sink_token = engine.sink_token
@@ -155,6 +163,17 @@ def shape_of_input(obj, input_ids: list[int]) -> RequestShape:
     )
 
 
+def _engine_settings(manager) -> EngineSettings:
+    """The tokenizer manager's view of the engine, built on its first linked request."""
+    engine = getattr(manager, "_picrag_engine", None)
+    if engine is None:
+        tokenizer = manager.tokenizer
+        engine = EngineSettings.of(None if tokenizer is None else tokenizer.bos_token_id,
+                                   manager.server_args.attention_backend, manager.model_config.hf_config)
+        manager._picrag_engine = engine
+    return engine
+
+
 def check_request(manager, obj, input_ids, *args, **kwargs) -> None:
     """BEFORE hook on TokenizerManager._validate_one_request: a ValueError is SGLang's 400."""
     contains_mm = getattr(obj, "contains_mm_input", None)
@@ -163,10 +182,7 @@ def check_request(manager, obj, input_ids, *args, **kwargs) -> None:
         check_token_ids(input_ids, manager.model_config.vocab_size)
     kv_hints = getattr(obj, "kv_hints", None)
     if kv_hints is not None:
-        tokenizer = manager.tokenizer
-        engine = EngineSettings(None if tokenizer is None else tokenizer.bos_token_id,
-                                manager.server_args.attention_backend)
-        admitted_link(kv_hints, shape_of_input(obj, input_ids or []), engine)
+        admitted_link(kv_hints, shape_of_input(obj, input_ids or []), _engine_settings(manager))
     check_sampling(obj, input_ids)
 
 

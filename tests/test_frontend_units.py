@@ -214,7 +214,7 @@ def test_position_masked_policies_need_a_picrag_attention_backend():
     assert set(on_gpu) == {"legolink", "cacheblend", "cacherepair", "cacherepair+legolink", "select",
                            "cacherepair+select"}
     assert "'flashinfer'" in on_gpu["legolink"] and "no checkpoint" in on_gpu["cacherepair+legolink"]
-    assert DEFAULT_POLICIES == ("cacherepair", "legolink", "naive")
+    assert DEFAULT_POLICIES == ("cacherepair", "legolink", "naive", "prefix")
     assert PolicyResolver.start(None, on_gpu).default.name == "naive"
     assert PolicyResolver.start(None, engine_refusals("picrag_native", "no checkpoint")).default.name == "legolink"
     assert PolicyResolver.start(None, {}).default.name == "cacherepair"

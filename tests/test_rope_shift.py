@@ -109,12 +109,6 @@ def test_shift_is_exact_rotation_composition_in_float64(neox):
     torch.testing.assert_close(shifter.shift(rotate_at(keys, 0), 4321), rotate_at(keys, 4321), atol=1e-9, rtol=0)
 
 
-def test_shift_refuses_magnitude_scaling_tables():
-    table = torch.cat((torch.full((16, 4), 1.2), torch.zeros(16, 4)), dim=-1)
-    with pytest.raises(RopeShiftError, match="scales magnitudes"):
-        KeyShifter(table, head_dim=8, rotary_dim=8, is_neox_style=True)
-
-
 def test_negative_shift_inverts_a_positive_one(layer0):
     config, weights = layer0
     shifter = KeyShifter.from_rotary_embedding(sglang_rope(config))
@@ -139,3 +133,60 @@ def test_in_place_and_differentiable_neox_rotations_agree_bit_for_bit(rotary_dim
     assert differentiable.requires_grad
     assert torch.equal(in_place, differentiable.detach())
     assert torch.equal(in_place[..., rotary_dim:], keys[..., rotary_dim:])
+
+
+def test_a_table_scaled_by_one_constant_shifts_as_its_rotation():
+    # YaRN's mscale multiplies cos and sin by one m: keys at p are m R(p) k, and at p + d
+    # R(d) (m R(p) k); a table whose magnitude varies by position is no rotation at all.
+    head_dim = 16
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.arange(600, dtype=torch.float64)[:, None] * inv_freq
+    scaled = torch.cat((angles.cos(), angles.sin()), dim=-1) * 1.2
+    shifter = KeyShifter(scaled, head_dim=head_dim, rotary_dim=head_dim, is_neox_style=True)
+    keys = torch.randn(4, 2, head_dim, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    at = lambda p: KeyShifter(scaled / 1.2, head_dim, head_dim, True).shift(keys, p) * 1.2  # noqa: E731
+    torch.testing.assert_close(shifter.shift(at(10), 321), at(331), atol=1e-9, rtol=0)
+    varying = scaled * torch.linspace(1.0, 1.5, 600, dtype=torch.float64)[:, None]
+    with pytest.raises(RopeShiftError, match="scales magnitudes"):
+        KeyShifter(varying, head_dim=head_dim, rotary_dim=head_dim, is_neox_style=True)
+
+
+# The RoPE variants of the families picrag serves, as their configs write them (SGLang's factory
+# builds each): keys rotated at p and moved by re-rotation must equal keys rotated at p + o.
+ROPE_VARIANTS = {
+    "default": None,
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192},
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192},
+}
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+@pytest.mark.parametrize("variant", sorted(ROPE_VARIANTS))
+def test_every_served_rope_variant_re_rotates_exactly(variant, partial, neox):
+    from sglang.srt.layers.rotary_embedding.factory import get_rope
+
+    from sglang_patches.selfcheck import check_rope_shift
+
+    head_dim = 64
+    scaling = ROPE_VARIANTS[variant]
+    if scaling is not None:
+        scaling = {**scaling, "type": scaling["rope_type"]}
+    rope = get_rope(head_dim, int(head_dim * partial), 32768, 500000, is_neox_style=neox, rope_scaling=scaling,
+                    dtype=torch.float32)
+    shifter = KeyShifter.from_rotary_embedding(rope)
+    check = check_rope_shift(rope, shifter, torch.float32)
+    assert check.passed, check.detail
+
+
+def test_longrope_is_not_one_rotation_per_position():
+    # Phi-3.5's LongRoPE switches frequencies with the prompt's length: the model support table
+    # refuses chunk reuse for it before any key is moved.
+    from picrag_core.model_support import ModelTraits, chunk_reuse_refusal
+
+    config = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "max_position_embeddings": 131072,
+              "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [1.0] * 48}}
+    assert "longrope" in chunk_reuse_refusal(ModelTraits.of_config(config))

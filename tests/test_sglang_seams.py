@@ -166,3 +166,32 @@ def test_signatures_of_the_forward_hooks():
     from sglang.srt.layers.layer_boundary.residual.stream import ResidualStream
 
     assert list(inspect.signature(ResidualStream.snapshot).parameters) == ["self", "hidden"]
+
+
+def _decoder_layer_forward(architecture: str) -> str:
+    """The hook target of the decoder layer SGLang builds `architecture` of: the *DecoderLayer
+    defined beside the first class of its MRO whose module defines one."""
+    from sglang.srt.models.registry import ModelRegistry
+
+    for base in ModelRegistry.models[architecture].__mro__:
+        module = importlib.import_module(base.__module__)
+        layers = sorted(name for name, obj in vars(module).items()
+                        if inspect.isclass(obj) and name.endswith("DecoderLayer") and obj.__module__ == module.__name__)
+        if layers:
+            return f"{module.__name__}.{layers[0]}.forward"
+    raise AssertionError(f"no decoder layer found for {architecture}")
+
+
+def test_cacheblend_is_allowed_exactly_where_its_layer_hook_reaches():
+    """picrag_core.model_support.BLEND_ARCHITECTURES (which models may run cacheblend) and
+    cacheblend.LAYER_HOOK_TARGETS (which layers shrink the batch) must name the same models: a
+    model outside the hook would answer cacheblend requests as full, silently."""
+    from picrag_core.model_support import BLEND_ARCHITECTURES, TESTED_ARCHITECTURES
+    from sglang_patches import cacheblend
+
+    for architecture in sorted(TESTED_ARCHITECTURES):
+        hooked = _decoder_layer_forward(architecture) in cacheblend.LAYER_HOOK_TARGETS
+        assert hooked == (architecture in BLEND_ARCHITECTURES), architecture
+    for target in cacheblend.LAYER_HOOK_TARGETS:
+        # _shrink folds the residual stream these layers hand rows on through.
+        assert "self.attn_boundary.prepare(" in inspect.getsource(resolve(target)), target

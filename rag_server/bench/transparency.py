@@ -65,6 +65,9 @@ class FuzzConfig:
     # Seconds after which no new episode starts and nothing more is shrunk (None: play them all);
     # the episodes played are then the first ones of the seed's list.
     time_budget_s: Optional[float] = None
+    # Play only episodes shard[0], shard[0] + shard[1], ... of the seed's list: one seeded run
+    # split over servers of the same build (episodes are independent: each starts on a flush).
+    shard: tuple[int, int] = (0, 1)
 
 
 @dataclass
@@ -360,9 +363,10 @@ def _reuse(observation: Observation) -> dict[str, Any]:
 
 
 def fuzz(wire: Wire, flush: Callable[[], None], config: FuzzConfig) -> Report:
-    """One seeded run of `config.requests` requests."""
+    """One seeded run of `config.requests` requests (its shard of them)."""
     generator = Generator(wire.words, config.seed, dataclasses.replace(config.generator, bos=wire.bos))
-    return Fuzzer(wire, flush, config).run(generator.episodes(config.requests))
+    index, count = config.shard
+    return Fuzzer(wire, flush, config).run(generator.episodes(config.requests)[index::count])
 
 
 def _selects(policy: str) -> bool:

@@ -11,6 +11,7 @@ route and form, the measured deviations and every violation with the requests th
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
@@ -43,6 +44,9 @@ def register(commands) -> None:
     parser.add_argument("--requests", type=int, default=500, metavar="N", help="requests played (default 500)")
     parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                         help="start no episode after this long, and report what was played (default: none)")
+    parser.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N",
+                        help="play episodes I, I+N, I+2N, ... of the seed's list, to split one run over N "
+                        "servers of the same build (default 0/1: all)")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated (default: all)")
     parser.add_argument("--routes", default=",".join(ROUTES), help="comma-separated (default: all)")
     parser.add_argument("--tolerance", type=float, default=TOLERANCE,
@@ -75,6 +79,17 @@ def runtime_url_of(frontend_url: str) -> Optional[str]:
             if "sglang.launch_server" in child_command:
                 return f"http://127.0.0.1:{child_command[child_command.index('--port') + 1]}"
     return None
+
+
+def _shard(text: str) -> tuple[int, int]:
+    index, _, count = text.partition("/")
+    try:
+        shard = int(index), int(count)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not I/N") from None
+    if not 0 <= shard[0] < shard[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 0 <= I < N")
+    return shard
 
 
 def _routes(text: str) -> tuple[str, ...]:
@@ -114,7 +129,7 @@ def _main(args) -> int:
     settings = GeneratorSettings(policies=_policies(args.policies), routes=routes,
                                  start_len_zero=not args.no_start_len_zero)
     config = FuzzConfig(seed=args.seed, requests=args.requests, tolerance=args.tolerance, generator=settings,
-                        cross_checks=not args.no_cross_checks, time_budget_s=args.time_budget)
+                        cross_checks=not args.no_cross_checks, time_budget_s=args.time_budget, shard=args.shard)
     with httpx.Client(base_url=url, timeout=600) as frontend, \
             httpx.Client(base_url=engine_url or url, timeout=600) as engine:
         wire = Wire(frontend, engine if engine_url else None, Words.of_tokenizer(tokenizer), tokenizer.bos_token_id)
@@ -124,7 +139,8 @@ def _main(args) -> int:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
-    print(f"seed {report.seed}: {report.requests} requests, {report.victims} victims, {report.references} "
+    shard = "" if args.shard == (0, 1) else f" (shard {args.shard[0]}/{args.shard[1]})"
+    print(f"seed {report.seed}{shard}: {report.requests} requests, {report.victims} victims, {report.references} "
           f"references, {sum(report.violation_counts.values())} violation(s) in {report.wall_s:.0f} s; "
           f"deviation {json.dumps(report.deviations.as_json())}", file=sys.stderr)
     for signature, count in sorted(report.violation_counts.items()):

@@ -8,7 +8,9 @@ families it may pick, the page for its policy menu, and the CLI for the names it
 
 What it knows:
 - the **default**: `--default-policy`, else the first of DEFAULT_POLICIES this server can run;
-- **availability** per family: families that compute tokens inside the prompt need one of picrag's
+- **availability** per family: the served model must allow it (picrag_core.model_support: no
+  chunk reuse on sliding-window layers, latent attention or position-dependent RoPE, CacheBlend
+  only where its layer hook reaches); families that compute tokens inside the prompt need one of picrag's
   attention backends (sglang_patches.attention_backends), families that repair need a CacheRepair
   checkpoint for the served model (rag_server/launch/repair_checkpoint.py);
 - the **fallback** after a failed start-up self-check (rag_server/linking/reuse_gate.py):
@@ -28,6 +30,7 @@ from typing import Optional
 from rag_server.linking.reuse_gate import REFUSE, ReuseGate
 from sglang_patches.attention_backends import backend_refusal
 from picrag_core.link_hints import LinkRequest
+from picrag_core.model_support import ModelTraits, policy_refusal
 from picrag_core.policies import POLICY_FAMILIES, Policy, PolicyError, PolicyFamily, parse_policy
 
 logger = logging.getLogger(__name__)
@@ -35,9 +38,10 @@ logger = logging.getLogger(__name__)
 # The link policy when a request names none: CacheRepair, which on the dev sets closes more of
 # reuse's first-token KL than LegoLink (k 16) and is faster to first token, on both shipped
 # models (docs/benchmarks.md). The server falls back along DEFAULT_POLICIES where the served
-# model has no checkpoint or the attention backend cannot mask by position; "full" is one flag
-# away (picrag serve --default-policy full).
-DEFAULT_POLICIES = ("cacherepair", "legolink", "naive")
+# model has no checkpoint, the attention backend cannot mask by position, or the model allows
+# no chunk reuse at all (sliding windows, latent attention: SGLang's own prefix cache); "full"
+# is one flag away (picrag serve --default-policy full).
+DEFAULT_POLICIES = ("cacherepair", "legolink", "naive", "prefix")
 DEFAULT_POLICY = DEFAULT_POLICIES[0]
 # Per request, the cheapest policy within the quality target (rag_server/service/auto_policy.py).
 AUTO = "auto"
@@ -77,12 +81,14 @@ class NamedPolicy:
         return self.policy.family
 
 
-def engine_refusals(attention_backend: Optional[str], repair_unavailable: Optional[str]) -> dict[str, str]:
-    """Policy family -> why an engine on `attention_backend` cannot run it; `repair_unavailable`:
-    why the engine holds no CacheRepair checkpoint (None: it holds one)."""
+def engine_refusals(attention_backend: Optional[str], repair_unavailable: Optional[str],
+                    model: Optional[ModelTraits] = None) -> dict[str, str]:
+    """Policy family -> why an engine on `attention_backend` serving `model` cannot run it;
+    `repair_unavailable`: why the engine holds no CacheRepair checkpoint (None: it holds one)."""
     refusals = {}
     for family in POLICY_FAMILIES.values():
-        reasons = [reason for reason in (backend_refusal(family, attention_backend),
+        reasons = [reason for reason in (policy_refusal(family, model) if model is not None else None,
+                                         backend_refusal(family, attention_backend),
                                          repair_unavailable if family.repairs else None) if reason]
         if reasons:
             refusals[family.name] = "; ".join(reasons)

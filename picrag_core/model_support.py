@@ -1,0 +1,144 @@
+"""Which link policies a model can be served with exactly, read from its HF config.
+
+Chunk reuse rests on three facts about the model: a token's cached KV depends only on the
+tokens before it in its chunk (and on its position only through RoPE), RoPE is one rotation
+per position whatever the prompt's length (so a cached key moves by one more rotation), and
+every layer attends to every earlier token (so a linked chunk is seen whole). A model whose
+config breaks one of them gets its chunk-reusing families refused, with the reason, by the
+engine (sglang_patches.request_guard) and the frontend (rag_server/linking/policy_resolver.py)
+alike; `prefix` and `full` are SGLang's own and stay. What is read:
+
+* sliding-window layers (Mistral v0.1, Gemma 2/3, some Qwen2 configs) narrower than the
+  context: a reused chunk's tokens would be attended from beyond the window;
+* multi-head latent attention (DeepSeek V2/V3, Kimi K2: `kv_lora_rank`): the cache holds a
+  latent, not post-RoPE keys that a rotation moves;
+* ALiBi or no rotary embedding at all: position enters as a bias, nothing to re-rotate;
+* LongRoPE (Phi-3.5, Phi-4-mini) and multimodal RoPE: the rotation depends on the prompt's
+  length or on several position axes, not on one position;
+
+Attention logit soft-capping (Gemma 2) is a matter of the attention backend, not of reuse:
+sglang_patches.attention_backends refuses such a model on a backend that does not cap.
+
+CacheBlend runs inside the decoder layers (sglang_patches.cacheblend), whose hook covers the
+architectures in BLEND_ARCHITECTURES; for others it steps aside and `cacheblend` is refused.
+The families picrag's test matrix serves (tests/test_model_matrix.py) are TESTED_ARCHITECTURES;
+another architecture is served on what its config says, with a warning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from picrag_core.policies import POLICY_FAMILIES, PolicyFamily
+
+# SGLang 0.5.23 serves these with the decoder layers that CacheBlend's hook wraps (Mistral and
+# Phi-3 are SGLang's Llama classes; Qwen3's layer hands rows on through the same residual stream).
+BLEND_ARCHITECTURES = frozenset({
+    "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+})
+# Served by tests/test_model_matrix.py on tiny random-weight models, every policy checked.
+TESTED_ARCHITECTURES = BLEND_ARCHITECTURES | frozenset({
+    "Olmo2ForCausalLM", "GraniteForCausalLM", "Qwen3MoeForCausalLM",
+})
+# RoPE variants whose table is one rotation per position (YaRN's constant magnitude scale is
+# divided out by picrag_core.rope_shift).
+POSITIONAL_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "llama3", "yarn"})
+_ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt", "baichuan"})
+_NO_ROPE_MODEL_TYPES = frozenset({"gpt2", "opt", "gpt_bigcode"})
+
+
+@dataclass(frozen=True)
+class ModelTraits:
+    """What of a model's config decides which policies it can be served with."""
+
+    architecture: str
+    model_type: str
+    context_length: Optional[int]
+    sliding_window: Optional[int]  # the narrowest window of a layer that has one (None: no such layer)
+    attention_softcap: Optional[float]
+    latent_attention: bool  # MLA
+    alibi: bool
+    rope_type: Optional[str]  # None: the model has no rotary embedding
+
+    @classmethod
+    def of_config(cls, config: Mapping[str, Any]) -> ModelTraits:
+        """From an HF config.json's fields (a PretrainedConfig's to_dict()); a multimodal
+        config's language model is read from its `text_config`."""
+        text = config.get("text_config") or config
+        architectures = config.get("architectures") or [""]
+        model_type = str(text.get("model_type") or config.get("model_type") or "")
+        context = text.get("max_position_embeddings")
+        return cls(
+            architecture=str(architectures[0]),
+            model_type=model_type,
+            context_length=int(context) if isinstance(context, int) else None,
+            sliding_window=_sliding_window(text),
+            attention_softcap=text.get("attn_logit_softcapping") or None,
+            latent_attention=bool(text.get("kv_lora_rank")),
+            alibi=bool(text.get("alibi") or text.get("use_alibi")) or model_type in _ALIBI_MODEL_TYPES,
+            rope_type=_rope_type(text, model_type),
+        )
+
+
+def _sliding_window(text: Mapping[str, Any]) -> Optional[int]:
+    window = text.get("sliding_window")
+    if not isinstance(window, int) or window <= 0 or text.get("use_sliding_window") is False:
+        return None
+    layer_types = text.get("layer_types")
+    if isinstance(layer_types, list) and "sliding_attention" not in layer_types:
+        return None
+    context = text.get("max_position_embeddings")
+    if isinstance(context, int) and window >= context:
+        return None  # a window as wide as the context never drops a token
+    return window
+
+
+def _rope_type(text: Mapping[str, Any], model_type: str) -> Optional[str]:
+    if model_type in _NO_ROPE_MODEL_TYPES or text.get("position_embedding_type") in ("absolute", "alibi"):
+        return None
+    scaling = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    if not isinstance(scaling, Mapping):
+        return "default"
+    if "mrope_section" in scaling or scaling.get("mrope_interleaved"):
+        return "mrope"
+    per_layer_type = [value for value in scaling.values() if isinstance(value, Mapping)]
+    if per_layer_type:  # Gemma 3: one RoPE per layer type; the first that is no rotation decides
+        types = [str(value.get("rope_type") or "default") for value in per_layer_type]
+        return next((t for t in types if t not in POSITIONAL_ROPE_TYPES), types[0])
+    return str(scaling.get("rope_type") or scaling.get("type") or "default")
+
+
+def chunk_reuse_refusal(traits: ModelTraits) -> Optional[str]:
+    """Why no chunk-reusing family can be served exactly on this model; None if they can."""
+    if traits.latent_attention:
+        return ("the model uses multi-head latent attention: its cache holds a compressed latent, "
+                "not post-RoPE keys that a rotation moves to another position")
+    if traits.alibi or traits.rope_type is None:
+        return "the model has no rotary embedding (ALiBi or absolute positions): nothing re-positions a cached key"
+    if traits.sliding_window is not None:
+        return (f"the model has sliding-window layers ({traits.sliding_window} tokens): a reused chunk's "
+                "KV would be attended from outside the window its layers allow")
+    if traits.rope_type not in POSITIONAL_ROPE_TYPES:
+        return (f"its RoPE ({traits.rope_type}) is not one rotation per position (it depends on the prompt's "
+                "length or on several position axes): a cached key cannot be moved by re-rotation")
+    return None
+
+
+def policy_refusal(family: PolicyFamily, traits: ModelTraits) -> Optional[str]:
+    """Why `family` cannot be served exactly on this model; None if it can."""
+    if not family.reuses_chunks:
+        return None
+    reason = chunk_reuse_refusal(traits)
+    if reason is None and family.blends_chunks and traits.architecture not in BLEND_ARCHITECTURES:
+        reason = (f"CacheBlend's layer hook covers {', '.join(sorted(BLEND_ARCHITECTURES))}, "
+                  f"not {traits.architecture or 'this architecture'}")
+    return reason
+
+
+def model_refusals(traits: ModelTraits) -> dict[str, str]:
+    """Policy family -> why this model cannot be served with it exactly."""
+    return {name: reason for name, family in POLICY_FAMILIES.items()
+            if (reason := policy_refusal(family, traits)) is not None}
+
