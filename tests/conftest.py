@@ -154,10 +154,9 @@ def stop_picrag_server(handle: ServerHandle) -> None:
     assert not alive, f"picrag serve left children behind: {[c.pid for c in alive]}"
 
 
-@pytest.fixture(scope="session")
-def zero_repair_checkpoint(default_model_dir: Path, tmp_path_factory) -> Path:
-    """A CacheRepair checkpoint for the default model whose network is untrained: its output
-    head is zero-initialised, so it repairs nothing (cacherepair must then equal naive)."""
+def write_zero_repair_checkpoint(model_dir: Path, directory: Path) -> Path:
+    """A CacheRepair checkpoint for `model_dir` whose network is untrained: its output head is
+    zero-initialised, so it repairs nothing (cacherepair must then equal naive)."""
     import torch
 
     from picrag_core.repair.checkpoint import save_checkpoint
@@ -166,15 +165,20 @@ def zero_repair_checkpoint(default_model_dir: Path, tmp_path_factory) -> Path:
     from picrag_core.repair.normalization import KVStats
     from picrag_core.model_fingerprint import model_fingerprint
 
-    config = RepairConfig.for_model(default_model_dir, width=32, blocks=1)
+    config = RepairConfig.for_model(model_dir, width=32, blocks=1)
     shape = (config.num_layers, config.num_kv_heads, 2, config.head_dim)
-    directory = tmp_path_factory.mktemp("zero-repair")
+    directory.mkdir(parents=True, exist_ok=True)
     save_checkpoint(
-        directory, RepairNetwork(config, read_token_embedding(default_model_dir)), config,
-        KVStats(torch.ones(shape), torch.ones(shape)), model_fingerprint(default_model_dir, torch.float32),
+        directory, RepairNetwork(config, read_token_embedding(model_dir)), config,
+        KVStats(torch.ones(shape), torch.ones(shape)), model_fingerprint(model_dir, torch.float32),
         {"steps": 0},
     )
     return directory
+
+
+@pytest.fixture(scope="session")
+def zero_repair_checkpoint(default_model_dir: Path, tmp_path_factory) -> Path:
+    return write_zero_repair_checkpoint(default_model_dir, tmp_path_factory.mktemp("zero-repair"))
 
 
 @pytest.fixture(scope="session")

@@ -294,3 +294,27 @@ def test_tiny_pairs_train_and_eval(maker, default_model_dir, shared_qa, tmp_path
     assert report["precision"] == "float32"
     assert report["overall_k"] == pytest.approx(after.overall_k) and len(report["relative_v"]) == 30
     assert "layer  K before" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_recipe_runs_on_a_newly_covered_family(default_model_dir, shared_qa, tmp_path, capsys):
+    """`picrag repair pairs / train / eval` on a tiny Qwen3 (q/k norms, head_dim apart from the
+    width): the checkpoint trains, evaluates, and loads only for the model it was made on."""
+    from picrag_core.model_fingerprint import model_fingerprint
+    from picrag_core.repair.checkpoint import RepairCheckpointMismatch
+    from tests.tiny_models import make_tiny_model
+
+    model = make_tiny_model("qwen3", tmp_path / "qwen3", default_model_dir)
+    pairs, checkpoint = tmp_path / "pairs", tmp_path / "checkpoint"
+    assert repair_cli("repair", "pairs", "--out", pairs, "--model", model, "--groups", 2, "--val-groups", 1,
+                      "--max-passage-tokens", 32, "--data", shared_qa / "nq_open_oracle.train.jsonl") == 0
+    assert repair_cli("repair", "train", "--pairs", pairs, "--out", checkpoint, "--model", model, "--steps", 20,
+                      "--warmup", 2, "--val-every", 10, "--width", 32, "--blocks", 1) == 0
+    assert repair_cli("repair", "eval", "--pairs", pairs, "--checkpoint", checkpoint, "--model", model) == 0
+    report = json.loads((checkpoint / "eval_val.json").read_text())
+    assert len(report["relative_k"]) == 2  # the tiny model's two layers
+    embedding = read_token_embedding(model)
+    assert load_repairer(checkpoint, embedding, model_fingerprint(model, torch.float32)).config.head_dim == 32
+    with pytest.raises(RepairCheckpointMismatch):
+        load_repairer(checkpoint, embedding, model_fingerprint(default_model_dir, torch.float32))
+    capsys.readouterr()

@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from picrag_core.model_support import ModelTraits, chunk_reuse_refusal
+
 if TYPE_CHECKING:
     import torch
 
@@ -57,7 +59,8 @@ class RepairConfig:
 
     @classmethod
     def for_model(cls, model_dir: Path, **network: int) -> RepairConfig:
-        """The KV geometry of a Llama/Qwen2 HF folder; `network` overrides width, blocks, ..."""
+        """The KV geometry of an HF model folder whose KV chunks are reused; `network` overrides
+        width, blocks, ..."""
         hf = read_hf_config(model_dir)
         try:
             heads = hf["num_attention_heads"]
@@ -98,8 +101,9 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
         hf = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelFolderError(f"cannot read the model config {path}: {exc}") from exc
-    if hf.get("model_type") not in ("llama", "qwen2"):
-        raise ModelFolderError(f"{path}: model_type {hf.get('model_type')!r}; supported: llama, qwen2")
+    refusal = chunk_reuse_refusal(ModelTraits.of_config(hf))
+    if refusal:
+        raise ModelFolderError(f"{path}: CacheRepair repairs reused chunk KV, and this model reuses none: {refusal}")
     return hf
 
 

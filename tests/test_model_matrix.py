@@ -1,0 +1,129 @@
+"""The model matrix: every decoder family picrag serves, as a tiny random-weight model on the
+real runtime with picrag's plugin, one family after another (tests/tiny_models.py says what
+each family adds: rope scaling, q/k norms, fused projections, partial rotary, multipliers).
+
+Per family, on one prompt (a head, two chunks, a question):
+- the start-up self-check passes (keys re-rotated by the model's own rotary embedding equal
+  fresh keys; naive at offset 0 equals the prefix cache; legolink covering every chunk equals full);
+- `legolink:K` with K covering every chunk equals `full`;
+- `cacheblend:1.0` equals `full` and `cacheblend:0.3` reuses chunk tokens where CacheBlend's
+  layer hook reaches the family; elsewhere cacheblend is refused with a 400 naming the reason;
+- `naive` equals an independent transformers computation of its definition: the head as a
+  prefix, each chunk computed alone (at its prompt positions: RoPE is relative, so the same as
+  alone at 0.. and re-rotated), the question over their concatenated KV;
+- `cacherepair` with an untrained (zero-output) network equals `naive`.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.chunk_requests import picrag_meta
+from tests.conftest import start_picrag_server, stop_picrag_server, write_zero_repair_checkpoint
+from tests.tiny_models import FAMILIES, make_tiny_model
+from picrag_core.link_hints import link_hints
+from picrag_core.model_support import BLEND_ARCHITECTURES
+
+pytestmark = pytest.mark.server
+
+# fp32 on both sides; SGLang's kernels and transformers' order their sums differently.
+LOGPROB_TOLERANCE = 2e-4
+TOP = 5
+
+
+def prompt() -> tuple[list[int], list[tuple[int, int]]]:
+    rng = random.Random(7)
+    words = lambda n: [rng.randrange(100, 40000) for _ in range(n)]  # noqa: E731
+    head, first, second, question = [1, *words(9)], words(30), words(24), words(8)
+    start = len(head)
+    chunks = [(start, start + len(first)), (start + len(first), start + len(first) + len(second))]
+    return head + first + second + question, chunks
+
+
+def generate(client, input_ids, policy: str | None, chunks) -> dict:
+    body = {"input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": 4},
+            "return_logprob": True, "top_logprobs_num": TOP}
+    if policy is not None:
+        body["kv_hints"] = link_hints(policy, chunks)
+    response = client.post("/generate", json=body)
+    assert response.status_code == 200, (policy, response.text)
+    return response.json()
+
+
+def first_top(out: dict) -> dict[int, float]:
+    return {token: logprob for logprob, token, _ in out["meta_info"]["output_top_logprobs"][0]}
+
+
+def assert_same(out: dict, expected: dict[int, float], what: str) -> None:
+    got = first_top(out)
+    assert set(got) == set(expected), (what, got, expected)
+    worst = max(abs(got[token] - logprob) for token, logprob in expected.items())
+    assert worst <= LOGPROB_TOLERANCE, f"{what}: first-token log-probabilities differ by {worst:.3g}"
+
+
+@torch.no_grad()
+def naive_reference(model_dir, input_ids: list[int], chunks) -> dict[int, float]:
+    """naive's first-token top log-probabilities, computed with transformers."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pieces = [(0, chunks[0][0]), *chunks]
+    cache = DynamicCache(config=model.config)
+    for start, end in pieces:
+        alone = model(torch.tensor([input_ids[start:end]]), position_ids=torch.arange(start, end)[None],
+                      past_key_values=DynamicCache(config=model.config), use_cache=True).past_key_values
+        for layer, stored in enumerate(alone.layers):
+            cache.update(stored.keys, stored.values, layer)
+    tail = chunks[-1][1]
+    logits = model(torch.tensor([input_ids[tail:]]), position_ids=torch.arange(tail, len(input_ids))[None],
+                   past_key_values=cache, use_cache=True).logits[0, -1]
+    logprobs = logits.log_softmax(-1)
+    values, tokens = logprobs.topk(TOP)
+    return dict(zip(tokens.tolist(), values.tolist()))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(default_model_dir):
+    return default_model_dir
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_policy_is_exact_on_the_family(family, tokenizer_dir, tmp_path):
+    import json
+
+    model_dir = make_tiny_model(family, tmp_path / family, tokenizer_dir)
+    architecture = json.loads((model_dir / "config.json").read_text())["architectures"][0]
+    checkpoint = write_zero_repair_checkpoint(model_dir, tmp_path / "zero-repair")
+    server = start_picrag_server(tmp_path / "server.log", [
+        "--model", str(model_dir), "--repair-checkpoint", str(checkpoint), "--shadow-rate", "0",
+        "--max-total-tokens", "4096"])
+    try:
+        with server.client() as client:
+            selfcheck = client.get("/health").json()["selfcheck"]
+            assert selfcheck["status"] == "passed", selfcheck
+            input_ids, chunks = prompt()
+            full = first_top(generate(client, input_ids, "full", chunks))
+            covering = max(end - start for start, end in chunks)
+            assert_same(generate(client, input_ids, f"legolink:{covering}", chunks), full, "legolink covering")
+
+            if architecture in BLEND_ARCHITECTURES:
+                assert_same(generate(client, input_ids, "cacheblend:1.0", chunks), full, "cacheblend:1.0")
+                blended = generate(client, input_ids, "cacheblend:0.3", chunks)
+                # The layer hook ran: later layers skipped most chunk tokens.
+                assert picrag_meta(blended).reused_tokens > 0, blended["meta_info"]
+            else:
+                body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 1},
+                        "kv_hints": link_hints("cacheblend:0.3", chunks)}
+                refused = client.post("/generate", json=body)
+                assert refused.status_code == 400 and "layer hook" in refused.text, refused.text
+
+            naive = generate(client, input_ids, "naive", chunks)
+            assert picrag_meta(naive).reused_tokens >= sum(end - start for start, end in chunks)
+            assert_same(naive, naive_reference(model_dir, input_ids, chunks), "naive against transformers")
+            assert_same(generate(client, input_ids, "cacherepair", chunks), first_top(naive),
+                        "cacherepair (zero network)")
+    finally:
+        stop_picrag_server(server)
