@@ -39,9 +39,10 @@ BLEND_ARCHITECTURES = frozenset({
     "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
 })
 # Served by tests/test_model_matrix.py on tiny random-weight models, every policy checked.
-TESTED_ARCHITECTURES = BLEND_ARCHITECTURES | frozenset({
-    "Olmo2ForCausalLM", "GraniteForCausalLM", "Qwen3MoeForCausalLM",
-})
+TESTED_ARCHITECTURES = BLEND_ARCHITECTURES | frozenset({"Olmo2ForCausalLM", "GraniteForCausalLM"})
+# SGLang's Llama classes read partial_rotary_factor from the config's top level, where
+# transformers 5 no longer puts it (it lives in rope_parameters): they would rotate the whole head.
+_TOP_LEVEL_PARTIAL_ROTARY = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM"})
 # RoPE variants whose table is one rotation per position (YaRN's constant magnitude scale is
 # divided out by picrag_core.rope_shift).
 POSITIONAL_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "llama3", "yarn"})
@@ -61,6 +62,8 @@ class ModelTraits:
     latent_attention: bool  # MLA
     alibi: bool
     rope_type: Optional[str]  # None: the model has no rotary embedding
+    routed_experts: int = 0  # MoE: experts per layer (0: a dense model)
+    nested_partial_rotary: bool = False  # partial_rotary_factor < 1 only inside rope_parameters
 
     @classmethod
     def of_config(cls, config: Mapping[str, Any]) -> ModelTraits:
@@ -79,7 +82,18 @@ class ModelTraits:
             latent_attention=bool(text.get("kv_lora_rank")),
             alibi=bool(text.get("alibi") or text.get("use_alibi")) or model_type in _ALIBI_MODEL_TYPES,
             rope_type=_rope_type(text, model_type),
+            routed_experts=int(next((text[name] for name in _EXPERT_FIELDS if text.get(name)), 0)),
+            nested_partial_rotary=_nested_partial_rotary(text),
         )
+
+
+_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _nested_partial_rotary(text: Mapping[str, Any]) -> bool:
+    params = text.get("rope_parameters")
+    nested = params.get("partial_rotary_factor") if isinstance(params, Mapping) else None
+    return nested is not None and nested < 1 and text.get("partial_rotary_factor") is None
 
 
 def _sliding_window(text: Mapping[str, Any]) -> Optional[int]:
@@ -142,3 +156,12 @@ def model_refusals(traits: ModelTraits) -> dict[str, str]:
     return {name: reason for name, family in POLICY_FAMILIES.items()
             if (reason := policy_refusal(family, traits)) is not None}
 
+
+
+def runtime_refusal(traits: ModelTraits) -> Optional[str]:
+    """Why SGLang 0.5.23 itself would compute the model wrongly, whatever the policy; None if not."""
+    if traits.nested_partial_rotary and traits.architecture in _TOP_LEVEL_PARTIAL_ROTARY:
+        return ("its config puts partial_rotary_factor inside rope_parameters, and SGLang's "
+                f"{traits.architecture} reads it from the top level: it would rotate the whole head "
+                "(add \"partial_rotary_factor\" at the config's top level)")
+    return None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from picrag_core.model_support import ModelTraits
+from picrag_core.model_support import ModelTraits, runtime_refusal
 from picrag_core.policies import PolicyFamily
 
 NATIVE_BACKEND = "picrag_native"  # CPU: sglang_patches.attention
@@ -29,6 +29,13 @@ def backend_refusal(family: PolicyFamily, attention_backend: Optional[str]) -> O
 
 def model_backend_refusal(traits: ModelTraits, attention_backend: Optional[str]) -> Optional[str]:
     """Why the model cannot be served at all on `attention_backend`; None if it can."""
+    refusal = runtime_refusal(traits)
+    if refusal:
+        return refusal
+    if traits.routed_experts and attention_backend == NATIVE_BACKEND:
+        # Checked on a tiny Qwen3-MoE: every logit came out equal (zero hidden states).
+        return (f"the model routes tokens to experts ({traits.routed_experts} per layer), and SGLang 0.5.23's "
+                "MoE on CPU (without sgl-kernel's CPU MoE ops) answers zero hidden states")
     if traits.attention_softcap and attention_backend == NATIVE_BACKEND:
         return (f"the model soft-caps attention logits (attn_logit_softcapping {traits.attention_softcap:g}), "
                 f"which the {NATIVE_BACKEND} attention backend does not apply: its answers would be wrong "

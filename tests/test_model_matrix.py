@@ -3,6 +3,8 @@ real runtime with picrag's plugin, one family after another (tests/tiny_models.p
 each family adds: rope scaling, q/k norms, fused projections, partial rotary, multipliers).
 
 Per family, on one prompt (a head, two chunks, a question):
+- `full` equals transformers' forward of the same prompt (the runtime computes the family right
+  at all: a tiny Qwen3-MoE failed this, with all-equal logits, and is refused on CPU);
 - the start-up self-check passes (keys re-rotated by the model's own rotary embedding equal
   fresh keys; naive at offset 0 equals the prefix cache; legolink covering every chunk equals full);
 - `legolink:K` with K covering every chunk equals `full`;
@@ -23,7 +25,7 @@ import torch
 
 from tests.chunk_requests import picrag_meta
 from tests.conftest import start_picrag_server, stop_picrag_server, write_zero_repair_checkpoint
-from tests.tiny_models import FAMILIES, make_tiny_model
+from tests.tiny_models import FAMILIES, REFUSED_ON_CPU, make_tiny_model
 from picrag_core.link_hints import link_hints
 from picrag_core.model_support import BLEND_ARCHITECTURES
 
@@ -57,19 +59,28 @@ def first_top(out: dict) -> dict[int, float]:
     return {token: logprob for logprob, token, _ in out["meta_info"]["output_top_logprobs"][0]}
 
 
-def assert_same(out: dict, expected: dict[int, float], what: str) -> None:
-    got = first_top(out)
+def assert_same(got: dict[int, float], expected: dict[int, float], what: str) -> None:
+    """Two first-token top log-probabilities: the same tokens, values within the tolerance."""
     assert set(got) == set(expected), (what, got, expected)
     worst = max(abs(got[token] - logprob) for token, logprob in expected.items())
     assert worst <= LOGPROB_TOLERANCE, f"{what}: first-token log-probabilities differ by {worst:.3g}"
 
 
-@torch.no_grad()
-def naive_reference(model_dir, input_ids: list[int], chunks) -> dict[int, float]:
-    """naive's first-token top log-probabilities, computed with transformers."""
-    from transformers import AutoModelForCausalLM, DynamicCache
+def top_of(logits: torch.Tensor) -> dict[int, float]:
+    values, tokens = logits.log_softmax(-1).topk(TOP)
+    return dict(zip(tokens.tolist(), values.tolist()))
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+@torch.no_grad()
+def full_reference(model, input_ids: list[int]) -> dict[int, float]:
+    return top_of(model(torch.tensor([input_ids])).logits[0, -1])
+
+
+@torch.no_grad()
+def naive_reference(model, input_ids: list[int], chunks) -> dict[int, float]:
+    """naive's first-token top log-probabilities, computed with transformers."""
+    from transformers import DynamicCache
+
     pieces = [(0, chunks[0][0]), *chunks]
     cache = DynamicCache(config=model.config)
     for start, end in pieces:
@@ -78,11 +89,8 @@ def naive_reference(model_dir, input_ids: list[int], chunks) -> dict[int, float]
         for layer, stored in enumerate(alone.layers):
             cache.update(stored.keys, stored.values, layer)
     tail = chunks[-1][1]
-    logits = model(torch.tensor([input_ids[tail:]]), position_ids=torch.arange(tail, len(input_ids))[None],
-                   past_key_values=cache, use_cache=True).logits[0, -1]
-    logprobs = logits.log_softmax(-1)
-    values, tokens = logprobs.topk(TOP)
-    return dict(zip(tokens.tolist(), values.tolist()))
+    return top_of(model(torch.tensor([input_ids[tail:]]), position_ids=torch.arange(tail, len(input_ids))[None],
+                        past_key_values=cache, use_cache=True).logits[0, -1])
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +102,10 @@ def tokenizer_dir(default_model_dir):
 def test_every_policy_is_exact_on_the_family(family, tokenizer_dir, tmp_path):
     import json
 
+    from transformers import AutoModelForCausalLM
+
     model_dir = make_tiny_model(family, tmp_path / family, tokenizer_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     architecture = json.loads((model_dir / "config.json").read_text())["architectures"][0]
     checkpoint = write_zero_repair_checkpoint(model_dir, tmp_path / "zero-repair")
     server = start_picrag_server(tmp_path / "server.log", [
@@ -106,11 +117,14 @@ def test_every_policy_is_exact_on_the_family(family, tokenizer_dir, tmp_path):
             assert selfcheck["status"] == "passed", selfcheck
             input_ids, chunks = prompt()
             full = first_top(generate(client, input_ids, "full", chunks))
+            assert_same(full, full_reference(model, input_ids), "full against transformers")
             covering = max(end - start for start, end in chunks)
-            assert_same(generate(client, input_ids, f"legolink:{covering}", chunks), full, "legolink covering")
+            assert_same(first_top(generate(client, input_ids, f"legolink:{covering}", chunks)), full,
+                        "legolink covering")
 
             if architecture in BLEND_ARCHITECTURES:
-                assert_same(generate(client, input_ids, "cacheblend:1.0", chunks), full, "cacheblend:1.0")
+                assert_same(first_top(generate(client, input_ids, "cacheblend:1.0", chunks)), full,
+                            "cacheblend:1.0")
                 blended = generate(client, input_ids, "cacheblend:0.3", chunks)
                 # The layer hook ran: later layers skipped most chunk tokens.
                 assert picrag_meta(blended).reused_tokens > 0, blended["meta_info"]
@@ -122,8 +136,20 @@ def test_every_policy_is_exact_on_the_family(family, tokenizer_dir, tmp_path):
 
             naive = generate(client, input_ids, "naive", chunks)
             assert picrag_meta(naive).reused_tokens >= sum(end - start for start, end in chunks)
-            assert_same(naive, naive_reference(model_dir, input_ids, chunks), "naive against transformers")
-            assert_same(generate(client, input_ids, "cacherepair", chunks), first_top(naive),
+            assert_same(first_top(naive), naive_reference(model, input_ids, chunks), "naive against transformers")
+            assert_same(first_top(generate(client, input_ids, "cacherepair", chunks)), first_top(naive),
                         "cacherepair (zero network)")
     finally:
         stop_picrag_server(server)
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED_ON_CPU))
+def test_a_family_the_runtime_cannot_compute_is_refused_at_start(family, tokenizer_dir, tmp_path):
+    import subprocess
+    import sys
+
+    model_dir = make_tiny_model(family, tmp_path / family, tokenizer_dir)
+    done = subprocess.run([sys.executable, "-m", "rag_server.cli", "serve", "--model", str(model_dir), "--no-index",
+                           "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "experts" in done.stderr and "zero hidden states" in done.stderr, done.stderr[-2000:]

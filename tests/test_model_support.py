@@ -80,6 +80,19 @@ def test_soft_capped_attention_is_served_only_where_the_backend_caps():
     assert model_backend_refusal(traits("Qwen3Config", "Qwen3ForCausalLM"), NATIVE_BACKEND) is None
 
 
+def test_a_model_the_runtime_would_compute_wrongly_is_not_served():
+    moe = traits("Qwen3MoeConfig", "Qwen3MoeForCausalLM")
+    assert "experts" in model_backend_refusal(moe, NATIVE_BACKEND)
+    assert model_backend_refusal(moe, FLASHINFER_BACKEND) is None
+    # SGLang's Llama classes read partial_rotary_factor at the config's top level only.
+    nested = traits("Phi3Config", "Phi3ForCausalLM",
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75})
+    assert "top level" in model_backend_refusal(nested, FLASHINFER_BACKEND)
+    top_level = ModelTraits.of_config({**transformers.Phi3Config(partial_rotary_factor=0.75).to_dict(),
+                                       "architectures": ["Phi3ForCausalLM"]})
+    assert model_backend_refusal(top_level, NATIVE_BACKEND) is None
+
+
 def test_the_tested_architectures_cover_the_blend_hook():
     assert BLEND_ARCHITECTURES <= TESTED_ARCHITECTURES
 

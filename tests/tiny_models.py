@@ -33,16 +33,22 @@ FAMILIES = {
     "qwen2": Family("Qwen2Config", {}, "Qwen2/2.5: q/k/v biases"),
     "qwen3": Family("Qwen3Config", {"head_dim": 32}, "Qwen3: per-head q/k RMSNorm, head_dim apart from width"),
     "mistral": Family("MistralConfig", {"sliding_window": None}, "Mistral v0.2+: no window (SGLang's Llama classes)"),
-    "phi3": Family("Phi3Config", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                                      "partial_rotary_factor": 0.5}},
+    # partial_rotary_factor at the config's top level too, as Phi-4-mini's config.json has it
+    # (SGLang reads it there; picrag_core.model_support refuses a config that nests it only).
+    "phi3": Family("Phi3Config", {"partial_rotary_factor": 0.5},
                    "Phi-3/4: fused qkv and gate_up, partial rotary (Phi-4-mini's 0.75 kind)"),
     "olmo2": Family("Olmo2Config", {}, "OLMo 2: q/k norm over the whole projection, norms after the blocks"),
-    "qwen3-moe": Family("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
-                                           "moe_intermediate_size": 64},
-                        "Qwen3-MoE: routed experts (SGLang's fused MoE on CPU)"),
     "granite": Family("GraniteConfig", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                                         "attention_multiplier": 0.125, "logits_scaling": 2.0},
                       "Granite: embedding, residual, attention and logit multipliers"),
+}
+
+
+# Not served on CPU (picrag_core.model_support, sglang_patches.attention_backends): `picrag
+# serve` must refuse it at start with the reason.
+REFUSED_ON_CPU = {
+    "qwen3-moe": Family("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                                           "moe_intermediate_size": 64}, "SGLang's CPU MoE answers zeros"),
 }
 
 
@@ -51,7 +57,7 @@ def make_tiny_model(name: str, directory: Path, tokenizer_dir: Path) -> Path:
     import torch
     import transformers
 
-    family = FAMILIES[name]
+    family = FAMILIES.get(name) or REFUSED_ON_CPU[name]
     config = getattr(transformers, family.config_class)(**{**COMMON, **family.fields})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
