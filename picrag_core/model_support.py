@@ -16,8 +16,11 @@ alike; `prefix` and `full` are SGLang's own and stay. What is read:
 * LongRoPE (Phi-3.5, Phi-4-mini) and multimodal RoPE: the rotation depends on the prompt's
   length or on several position axes, not on one position;
 
-Attention logit soft-capping (Gemma 2) is a matter of the attention backend, not of reuse:
-sglang_patches.attention_backends refuses such a model on a backend that does not cap.
+Some models the runtime itself would compute wrongly, whatever the policy; `picrag serve`
+refuses them at start (sglang_patches.attention_backends.model_backend_refusal): attention logit
+soft-capping (Gemma 2) on a backend that does not cap, routed experts on CPU (SGLang's CPU MoE
+answers zeros without sgl-kernel's ops), and a partial rotary factor that SGLang's Llama classes
+do not see (`runtime_refusal`).
 
 CacheBlend runs inside the decoder layers (sglang_patches.cacheblend), whose hook covers the
 architectures in BLEND_ARCHITECTURES; for others it steps aside and `cacheblend` is refused.
@@ -48,6 +51,7 @@ _TOP_LEVEL_PARTIAL_ROTARY = frozenset({"LlamaForCausalLM", "MistralForCausalLM",
 POSITIONAL_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "llama3", "yarn"})
 _ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt", "baichuan"})
 _NO_ROPE_MODEL_TYPES = frozenset({"gpt2", "opt", "gpt_bigcode"})
+_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 @dataclass(frozen=True)
@@ -85,9 +89,6 @@ class ModelTraits:
             routed_experts=int(next((text[name] for name in _EXPERT_FIELDS if text.get(name)), 0)),
             nested_partial_rotary=_nested_partial_rotary(text),
         )
-
-
-_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def _nested_partial_rotary(text: Mapping[str, Any]) -> bool:
@@ -155,7 +156,6 @@ def model_refusals(traits: ModelTraits) -> dict[str, str]:
     """Policy family -> why this model cannot be served with it exactly."""
     return {name: reason for name, family in POLICY_FAMILIES.items()
             if (reason := policy_refusal(family, traits)) is not None}
-
 
 
 def runtime_refusal(traits: ModelTraits) -> Optional[str]:
