@@ -47,8 +47,8 @@ logger = logging.getLogger(__name__)
 # Log-probability rounding allowed between two answers of the same request. Measured on
 # SmolLM2 (CPU, fp32): legitimate sharing (a stored causal chunk prefix, a prompt prefix of
 # another request) moved first-token log-probabilities by at most 4.2e-5 over the whole
-# vocabulary in 5,000 requests (2.9e-6 over the top 5 earlier); the smallest violation seen moved them by 1.1e-3, most by
-# 1e-2 and more. The report's `deviation` section shows both sides of every run.
+# vocabulary in 5,000 requests (docs/security.md); the smallest violation seen moved them by
+# 1.1e-3, most by 1e-2 and more. The report's `deviation` section shows both sides of every run.
 TOLERANCE = 1e-4
 SHRINK_TRIALS = 12  # replays spent on making one violation's attacker sequence minimal
 
