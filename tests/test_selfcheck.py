@@ -59,9 +59,14 @@ def test_rope_check_fails_on_a_rotation_the_shifter_does_not_describe(model_rope
     assert "re-rotated by 1 differ from keys computed at 1" in check.detail
 
 
-def test_rope_check_fails_on_an_embedding_that_scales_magnitudes():
+def test_yarn_passes_and_an_embedding_whose_magnitude_varies_fails():
+    # YaRN scales its whole table by one constant (mscale), which re-rotation divides out.
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
     shifter, check = rope_shifter(torch.nn.Sequential(rope(scaling=yarn)), torch.float32)
+    assert shifter is not None and check.passed, check.detail
+    varying = rope(base=12345)
+    varying.cos_sin_cache = varying.cos_sin_cache * torch.linspace(1.0, 1.5, varying.cos_sin_cache.shape[0])[:, None]
+    shifter, check = rope_shifter(torch.nn.Sequential(varying), torch.float32)
     assert shifter is None and not check.passed
     assert "cannot be re-rotated" in check.detail and "scales magnitudes" in check.detail
 
@@ -114,6 +119,7 @@ class FakeRuntime:
     skew: dict[str, float] = field(default_factory=dict)
     tokens: dict[str, list[int]] = field(default_factory=dict)
     reused: int | None = None  # chunk hits reported for naive (None: what the link asks)
+    flat: bool = False  # every answer's first-token top logprobs equal (a model computing zeros)
     calls: list[str] = field(default_factory=list)  # policy of each /generate: compile, vanilla, naive, ...
 
     def handle(self, request: httpx.Request) -> httpx.Response:
@@ -130,6 +136,8 @@ class FakeRuntime:
         ids = body["input_ids"]
         skew = self.skew.get(policy, 0.0)
         top = [[-0.1 + skew, 11, "a"], [-2.5, 12, "b"], [-3.0, 13, "c"]]
+        if self.flat:
+            top = [[-10.8, token, piece] for _, token, piece in top]
         details = {}
         if link is not None:
             head = link.chunks[0][0]
@@ -192,6 +200,12 @@ def test_legolink_check_is_skipped_where_legolink_is_unavailable(layout):
     report = check_against(fake, layout, {"legolink": "no position masks"})
     assert report.passed and statuses(report)["legolink_covering_chunks"] == SKIPPED
     assert "legolink" not in fake.calls
+
+
+def test_a_flat_first_token_distribution_passes_no_check(layout):
+    report = check_against(FakeRuntime(flat=True), layout)
+    assert [c.name for c in report.checks if c.status == FAILED] == ["reuse_at_offset_0", "legolink_covering_chunks"]
+    assert "equally likely" in report.failures()
 
 
 def test_half_precision_compares_the_first_token_and_allows_near_ties():
