@@ -23,7 +23,7 @@ import random
 import pytest
 import torch
 
-from tests.chunk_requests import picrag_meta
+from tests.chunk_requests import first_token_top, generate, picrag_meta
 from tests.conftest import start_picrag_server, stop_picrag_server, write_zero_repair_checkpoint
 from tests.tiny_models import FAMILIES, REFUSED_ON_CPU, make_tiny_model
 from picrag_core.link_hints import link_hints
@@ -45,18 +45,8 @@ def prompt() -> tuple[list[int], list[tuple[int, int]]]:
     return head + first + second + question, chunks
 
 
-def generate(client, input_ids, policy: str | None, chunks) -> dict:
-    body = {"input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": 4},
-            "return_logprob": True, "top_logprobs_num": TOP}
-    if policy is not None:
-        body["kv_hints"] = link_hints(policy, chunks)
-    response = client.post("/generate", json=body)
-    assert response.status_code == 200, (policy, response.text)
-    return response.json()
-
-
-def first_top(out: dict) -> dict[int, float]:
-    return {token: logprob for logprob, token, _ in out["meta_info"]["output_top_logprobs"][0]}
+def linked(client, input_ids, policy: str, chunks) -> dict:
+    return generate(client, input_ids, policy, chunks, max_new_tokens=4, logprobs=True, top_logprobs_num=TOP)
 
 
 def assert_same(got: dict[int, float], expected: dict[int, float], what: str) -> None:
@@ -116,16 +106,16 @@ def test_every_policy_is_exact_on_the_family(family, tokenizer_dir, tmp_path):
             selfcheck = client.get("/health").json()["selfcheck"]
             assert selfcheck["status"] == "passed", selfcheck
             input_ids, chunks = prompt()
-            full = first_top(generate(client, input_ids, "full", chunks))
+            full = first_token_top(linked(client, input_ids, "full", chunks))
             assert_same(full, full_reference(model, input_ids), "full against transformers")
             covering = max(end - start for start, end in chunks)
-            assert_same(first_top(generate(client, input_ids, f"legolink:{covering}", chunks)), full,
+            assert_same(first_token_top(linked(client, input_ids, f"legolink:{covering}", chunks)), full,
                         "legolink covering")
 
             if architecture in BLEND_ARCHITECTURES:
-                assert_same(first_top(generate(client, input_ids, "cacheblend:1.0", chunks)), full,
+                assert_same(first_token_top(linked(client, input_ids, "cacheblend:1.0", chunks)), full,
                             "cacheblend:1.0")
-                blended = generate(client, input_ids, "cacheblend:0.3", chunks)
+                blended = linked(client, input_ids, "cacheblend:0.3", chunks)
                 # The layer hook ran: later layers skipped most chunk tokens.
                 assert picrag_meta(blended).reused_tokens > 0, blended["meta_info"]
             else:
@@ -134,10 +124,10 @@ def test_every_policy_is_exact_on_the_family(family, tokenizer_dir, tmp_path):
                 refused = client.post("/generate", json=body)
                 assert refused.status_code == 400 and "layer hook" in refused.text, refused.text
 
-            naive = generate(client, input_ids, "naive", chunks)
+            naive = linked(client, input_ids, "naive", chunks)
             assert picrag_meta(naive).reused_tokens >= sum(end - start for start, end in chunks)
-            assert_same(first_top(naive), naive_reference(model, input_ids, chunks), "naive against transformers")
-            assert_same(first_top(generate(client, input_ids, "cacherepair", chunks)), first_top(naive),
+            assert_same(first_token_top(naive), naive_reference(model, input_ids, chunks), "naive against transformers")
+            assert_same(first_token_top(linked(client, input_ids, "cacherepair", chunks)), first_token_top(naive),
                         "cacherepair (zero network)")
     finally:
         stop_picrag_server(server)
