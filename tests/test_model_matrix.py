@@ -1,6 +1,10 @@
 """The model matrix: every decoder family picrag serves, as a tiny random-weight model on the
 real runtime with picrag's plugin, one family after another (tests/tiny_models.py says what
 each family adds: rope scaling, q/k norms, fused projections, partial rotary, multipliers).
+Each runtime is forked from one process that imported SGLang once (tests/forked_runtime.py:
+the same server, arguments and plugin as `picrag serve` starts, in seconds instead of the
+40 s of imports a spawned runtime takes); requests go to the runtime, the trust boundary, as
+the frontend forwards them, and the start-up self-check runs against it as `picrag serve` runs it.
 
 Per family, on one prompt (a head, two chunks, a question):
 - `full` equals transformers' forward of the same prompt (the runtime computes the family right
@@ -23,11 +27,17 @@ import random
 import pytest
 import torch
 
-from tests.chunk_requests import first_token_top, generate, picrag_meta
-from tests.conftest import start_picrag_server, stop_picrag_server, write_zero_repair_checkpoint
+from tests.chunk_requests import first_token_top, picrag_meta
+from tests.conftest import write_zero_repair_checkpoint
+from tests.forked_runtime import RuntimeZygote
 from tests.tiny_models import FAMILIES, REFUSED_ON_CPU, make_tiny_model
-from picrag_core.link_hints import link_hints
+from picrag_core.link_hints import LinkRequest, link_hints, runtime_request
 from picrag_core.model_support import BLEND_ARCHITECTURES
+from rag_server.launch.model_check import served_model_traits
+from rag_server.launch.runtime import CPU_ATTENTION_BACKEND, RuntimeConfig
+from rag_server.launch.selfcheck import run_self_check
+from rag_server.linking.chunk_compiler import compile_request, segments_to_compile
+from rag_server.linking.policy_resolver import engine_refusals
 
 pytestmark = pytest.mark.server
 
@@ -46,7 +56,18 @@ def prompt() -> tuple[list[int], list[tuple[int, int]]]:
 
 
 def linked(client, input_ids, policy: str, chunks) -> dict:
-    return generate(client, input_ids, policy, chunks, max_new_tokens=4, logprobs=True, top_logprobs_num=TOP)
+    """`policy`'s answer from the runtime as the frontend asks for it: the pieces it reuses
+    compiled first, then the link, its prompt in the runtime's layout."""
+    link = LinkRequest.of(policy, chunks)
+    pieces = segments_to_compile(input_ids, link)
+    if pieces:
+        assert client.post("/generate", json=compile_request(pieces)).status_code == 200
+    runtime_ids, hints = runtime_request(input_ids, link)
+    response = client.post("/generate", json={
+        "input_ids": runtime_ids, "kv_hints": hints, "sampling_params": {"temperature": 0, "max_new_tokens": 4},
+        "return_logprob": True, "top_logprobs_num": TOP})
+    assert response.status_code == 200, response.text
+    return response.json()
 
 
 def assert_same(got: dict[int, float], expected: dict[int, float], what: str) -> None:
@@ -88,23 +109,27 @@ def tokenizer_dir(default_model_dir):
     return default_model_dir
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_every_policy_is_exact_on_the_family(family, tokenizer_dir, tmp_path):
-    import json
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory):
+    forks = RuntimeZygote(tmp_path_factory.mktemp("runtimes"))
+    yield forks
+    forks.close()
 
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_policy_is_exact_on_the_family(family, tokenizer_dir, zygote, tmp_path):
+    import httpx
     from transformers import AutoModelForCausalLM
 
     model_dir = make_tiny_model(family, tmp_path / family, tokenizer_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    architecture = json.loads((model_dir / "config.json").read_text())["architectures"][0]
+    traits = served_model_traits(model_dir, CPU_ATTENTION_BACKEND)  # what picrag serve checks first
     checkpoint = write_zero_repair_checkpoint(model_dir, tmp_path / "zero-repair")
-    server = start_picrag_server(tmp_path / "server.log", [
-        "--model", str(model_dir), "--repair-checkpoint", str(checkpoint), "--shadow-rate", "0",
-        "--max-total-tokens", "4096"])
+    runtime = zygote.start(RuntimeConfig(model_dir, max_total_tokens=4096, repair_checkpoint=checkpoint), family)
     try:
-        with server.client() as client:
-            selfcheck = client.get("/health").json()["selfcheck"]
-            assert selfcheck["status"] == "passed", selfcheck
+        selfcheck = run_self_check(runtime.url, model_dir, engine_refusals(CPU_ATTENTION_BACKEND, None, traits))
+        assert selfcheck.passed, selfcheck
+        with httpx.Client(base_url=runtime.url, timeout=600) as client:
             input_ids, chunks = prompt()
             full = first_token_top(linked(client, input_ids, "full", chunks))
             assert_same(full, full_reference(model, input_ids), "full against transformers")
@@ -112,7 +137,7 @@ def test_every_policy_is_exact_on_the_family(family, tokenizer_dir, tmp_path):
             assert_same(first_token_top(linked(client, input_ids, f"legolink:{covering}", chunks)), full,
                         "legolink covering")
 
-            if architecture in BLEND_ARCHITECTURES:
+            if traits.architecture in BLEND_ARCHITECTURES:
                 assert_same(first_token_top(linked(client, input_ids, "cacheblend:1.0", chunks)), full,
                             "cacheblend:1.0")
                 blended = linked(client, input_ids, "cacheblend:0.3", chunks)
@@ -130,7 +155,7 @@ def test_every_policy_is_exact_on_the_family(family, tokenizer_dir, tmp_path):
             assert_same(first_token_top(linked(client, input_ids, "cacherepair", chunks)), first_token_top(naive),
                         "cacherepair (zero network)")
     finally:
-        stop_picrag_server(server)
+        runtime.stop()
 
 
 @pytest.mark.parametrize("family", sorted(REFUSED_ON_CPU))
