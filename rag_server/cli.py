@@ -39,7 +39,6 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-_BYTE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def _non_negative_float(text: str) -> float:
@@ -58,15 +57,25 @@ def _fraction(text: str) -> float:
 
 def _byte_size(text: str) -> int:
     """Bytes, as a count with an optional K, M, G or T (binary) suffix: 500M, 20G."""
-    number = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = _BYTE_UNITS.get(number[-1:], 1)
+    from sglang_patches.chunk_store_spec import byte_size
+
     try:
-        value = int(float(number[:-1] if unit > 1 else number) * unit)
-    except (ValueError, OverflowError):
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 500M, 20G)") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, not {text!r}")
-    return value
+        return byte_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _byte_size_or_zero(text: str) -> int:
+    return 0 if text.strip() == "0" else _byte_size(text)
+
+
+def _chunk_store(text: str):
+    from sglang_patches.chunk_store_spec import parse_chunk_store
+
+    try:
+        return parse_chunk_store(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _policy_name(text: str) -> str:
@@ -81,6 +90,31 @@ def _policy_name(text: str) -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    """`picrag serve`, behind a Mooncake master of its own when it is asked to start one."""
+    if not args.start_mooncake_master:
+        return _serve_engines(args)
+    from rag_server.launch.mooncake_master import MooncakeMaster, MooncakeMasterError
+    from sglang_patches.chunk_store_spec import MooncakeSpec
+
+    if not isinstance(args.chunk_store, MooncakeSpec):
+        print("picrag serve: error: --start-mooncake-master needs --chunk-store mooncake://HOST:PORT",
+              file=sys.stderr)
+        return 2
+    log = None if args.runtime_log is None else args.runtime_log.with_name(
+        f"{args.runtime_log.stem}.mooncake{args.runtime_log.suffix}")
+    try:
+        master = MooncakeMaster(args.chunk_store, log)
+        master.start()
+    except MooncakeMasterError as exc:
+        print(f"picrag serve: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _serve_engines(args)
+    finally:
+        master.stop()
+
+
+def _serve_engines(args: argparse.Namespace) -> int:
     import uvicorn
 
     from rag_server.api.app import create_app
@@ -120,6 +154,8 @@ def _serve(args: argparse.Namespace) -> int:
         extra_args=shlex.split(args.runtime_args),
         chunk_store=args.chunk_store,
         chunk_store_max_bytes=args.chunk_store_max_bytes,
+        chunk_host_bytes=args.chunk_host_bytes,
+        chunk_store_timeout_s=args.chunk_store_timeout,
         repair_checkpoint=repair_checkpoint,
     )
     try:
@@ -130,7 +166,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
 
     try:
-        model = served_model_traits(model_path, runtime.config.attention_backend)
+        model = served_model_traits(model_path, runtime.config.attention_backend, runtime.config.context_length)
         policies = PolicyResolver.start(args.default_policy,
                                         engine_refusals(runtime.config.attention_backend, repair_unavailable, model))
     except (PolicyUnavailable, ModelUnservable) as exc:
@@ -288,13 +324,28 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--runtime-log", type=Path, default=None,
                        help="write the runtime's output to this file instead of the terminal")
     serve.add_argument("--runtime-log-level", default="warning")
-    serve.add_argument("--chunk-store", type=Path, default=None, metavar="DIR",
-                       help="persist compiled chunk KV under DIR and reload it after a restart "
-                       "(keyed by a model fingerprint; corrupt or foreign files are ignored)")
+    serve.add_argument("--chunk-store", type=_chunk_store, default=None, metavar="URL",
+                       help="keep compiled chunk KV in a store and reload it instead of recomputing: "
+                       "file://DIR or DIR (files under DIR; a shared filesystem shares them between "
+                       "servers) or mooncake://HOST:PORT[?metadata=URL&segment=SIZE&protocol=tcp|rdma&"
+                       "device=DEV&local=HOST] (a Mooncake distributed store through SGLang's HiCache "
+                       "storage backend; its master at HOST:PORT). Keyed by a model fingerprint; corrupt "
+                       "or foreign values are ignored; a store that is down or slow costs recomputation "
+                       "(docs/deployment.md)")
     serve.add_argument("--chunk-store-max-bytes", type=_byte_size, default=None, metavar="SIZE",
-                       help="bound on the --chunk-store files of this model (e.g. 20G; least recently "
+                       help="bound on the file:// store's files of this model (e.g. 20G; least recently "
                        "used evicted first; default: 10%% of the free space on DIR's filesystem at start, "
                        "counting the store's own files as free)")
+    serve.add_argument("--chunk-host-bytes", type=_byte_size_or_zero, default=None, metavar="SIZE",
+                       help="with --chunk-store: RAM per engine for the host-memory tier, which reloads "
+                       "chunks evicted from the KV pool before the store (default 2G; 0: off)")
+    serve.add_argument("--chunk-store-timeout", type=_positive_float, default=None, metavar="S",
+                       help="bound on each call into a mooncake:// store; past it the chunk is computed "
+                       "(default 2)")
+    serve.add_argument("--start-mooncake-master", action="store_true",
+                       help="start a Mooncake master for the mooncake:// --chunk-store on this machine "
+                       "(a one-machine trial, e.g. with --replicas; give the URL metadata=http://HOST:PORT/metadata) "
+                       "and stop it with the server")
     serve.add_argument("--repair-checkpoint", type=Path, default=None, metavar="DIR",
                        help="CacheRepair checkpoint for policy cacherepair (default: the one shipped "
                        "for the model in cache_repair/checkpoints, if it matches; a checkpoint "

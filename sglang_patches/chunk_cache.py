@@ -66,11 +66,15 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sglang_patches.cacheblend import blend_plan
 from picrag_core.chunk_key import chunk_key
-from sglang_patches.disk_chunk_store import CorruptChunkFile, DiskChunkStore
+from sglang_patches.chunk_codec import CorruptChunkFile
+from sglang_patches.disk_chunk_store import DiskChunkStore
+from sglang_patches.hicache_chunk_store import HiCacheChunkStore
+from sglang_patches.host_chunk_tier import HostChunkTier
 from picrag_core.link_hints import MISS_REFUSAL, LinkHintError
 from sglang_patches.link_plan import PLAN_ATTR, LinkPlan, LinkStats, build_plan
 from sglang_patches.repair.kv_repair import RepairPart, RepairSpan, repair_spans
 from sglang_patches.request_guard import EngineSettings, admitted_link, client_namespace, shape_of_req
+from sglang_patches.store_calls import StoreUnavailable
 from picrag_core.rope_shift import KeyShifter
 from sglang_patches.tree_keys import NAMESPACE_PREFIX, store_key
 
@@ -128,7 +132,7 @@ class ChunkRadixCache(RadixCache):
         shifter: KeyShifter,
         engine: EngineSettings,
         counters: Optional[CacheCounters] = None,
-        disk_store: Optional[DiskChunkStore] = None,
+        disk_store: Optional[DiskChunkStore | HiCacheChunkStore | HostChunkTier] = None,
         repairer=None,
     ):
         if params.page_size != 1:
@@ -148,6 +152,9 @@ class ChunkRadixCache(RadixCache):
         self._leased: Counter[str] = Counter()  # stored chunk digest -> leases holding it
         self._leased_tokens: dict[str, int] = {}  # stored chunk digest -> its tokens, while leased
         super().reset()
+        # A flush empties the host tier too (RadixCache.__init__ resets before disk_store is set).
+        if isinstance(getattr(self, "disk_store", None), HostChunkTier):
+            self.disk_store.clear()
 
     # ---- request routing -------------------------------------------------------------
 
@@ -351,7 +358,13 @@ class ChunkRadixCache(RadixCache):
             logger.warning("ignoring persisted chunk: %s", exc)
             self.counters.add("disk_rejects")
             return None
+        except StoreUnavailable as exc:
+            # A store that is down or slow costs the chunk's compute, never the request.
+            logger.warning("chunk store unavailable: %s", exc)
+            self.counters.add("store_failures")
+            return None
         if loaded is None:
+            self.counters.add("disk_misses")
             return None
         keys, values = loaded
         slots = self._allocate(len(token_ids))

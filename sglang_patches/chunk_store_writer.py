@@ -48,7 +48,7 @@ class _Job:
         return self.keys.nbytes + self.values.nbytes
 
 
-def _on_host(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], Optional[torch.cuda.Event]]:
+def on_host(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], Optional[torch.cuda.Event]]:
     """`tensors` in host memory: as they are on the host; from a GPU, pinned copies queued on the
     current stream, whose end the event marks."""
     if not any(t.is_cuda for t in tensors):
@@ -85,7 +85,7 @@ class ChunkStoreWriter:
                 return False
             self._pending_bytes += nbytes
         try:
-            (keys, values), ready = _on_host(keys, values)
+            (keys, values), ready = on_host(keys, values)
         except BaseException:
             with self._pending_lock:
                 self._pending_bytes -= nbytes

@@ -26,7 +26,6 @@ import os
 import shutil
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -36,13 +35,12 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as serialize_tensors
 
 from picrag_core.chunk_key import chunk_key
+from sglang_patches.chunk_store_spec import MAX_BYTES_ENV, STORE_DIR_ENV  # noqa: F401 (this store's settings)
+from sglang_patches.chunk_codec import CorruptChunkFile, KVLayout, check_layout, tensor_digest
 from sglang_patches.chunk_store_writer import ChunkStoreWriter
 
 logger = logging.getLogger(__name__)
 
-STORE_DIR_ENV = "PICRAG_CHUNK_STORE_DIR"
-# The bound on the bytes of one server's chunk files (all its ranks together), in bytes.
-MAX_BYTES_ENV = "PICRAG_CHUNK_STORE_MAX_BYTES"
 # Without a bound: this fraction of the filesystem's free space (plus what the store holds).
 DEFAULT_FREE_SPACE_FRACTION = 0.10
 # SGLang server options that change what KV a model computes or how it is kept.
@@ -50,23 +48,6 @@ KV_SERVER_OPTIONS = ("dtype", "kv_cache_dtype", "quantization", "quantization_pa
                      "json_model_override_args", "load_format", "revision")
 _SUFFIX = ".safetensors"
 _TEMPORARY = ".tmp-"
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """The shape and dtype of one token's K and V in the pool, and the number of layers."""
-
-    layers: int
-    key_row: tuple[int, ...]
-    key_dtype: torch.dtype
-    value_row: tuple[int, ...]
-    value_dtype: torch.dtype
-
-    @classmethod
-    def of_pool(cls, pool) -> KVLayout:
-        """The layout of an SGLang KV pool (MHATokenToKVPool and kin)."""
-        k_buffer, v_buffer = pool.get_key_buffer(pool.start_layer), pool.get_value_buffer(pool.start_layer)
-        return cls(pool.layer_num, tuple(k_buffer.shape[1:]), k_buffer.dtype, tuple(v_buffer.shape[1:]), v_buffer.dtype)
 
 
 def partition_name(ranks: dict[str, tuple[int, int]], kv_options: dict[str, object]) -> str:
@@ -77,13 +58,6 @@ def partition_name(ranks: dict[str, tuple[int, int]], kv_options: dict[str, obje
     options = json.dumps(kv_options, sort_keys=True, default=str)
     parts.append("kv" + hashlib.sha256(options.encode()).hexdigest()[:12])
     return "-".join(parts)
-
-
-def _tensor_digest(keys: torch.Tensor, values: torch.Tensor) -> str:
-    digest = hashlib.sha256()
-    for tensor in (keys, values):
-        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 def _write_durably(path: Path, data: bytes) -> None:
@@ -195,7 +169,7 @@ class DiskChunkStore:
             "partition": self.partition,
             "chunk_key": key,
             "tokens": str(len(token_ids)),
-            "sha256": _tensor_digest(keys, values),
+            "sha256": tensor_digest(keys, values),
         }
         data = serialize_tensors({"k": keys, "v": values}, metadata=metadata)
         target = self.path_of(key)
@@ -244,8 +218,8 @@ class DiskChunkStore:
                 or keys.shape[1] != len(token_ids):
             raise CorruptChunkFile(f"{path}: tensors do not match the chunk")
         if pool is not None:
-            _check_layout(path, keys, values, KVLayout.of_pool(pool), len(token_ids))
-        if metadata.get("sha256") != _tensor_digest(keys, values):
+            check_layout(path, keys, values, KVLayout.of_pool(pool), len(token_ids))
+        if metadata.get("sha256") != tensor_digest(keys, values):
             raise CorruptChunkFile(f"{path}: checksum mismatch")
         self._evict_over_budget(key, len(data))
         try:
@@ -253,17 +227,3 @@ class DiskChunkStore:
         except OSError:
             pass  # evicted meanwhile, or a read-only store: the order is only kept in memory
         return keys, values
-
-
-def _check_layout(path: Path, keys: torch.Tensor, values: torch.Tensor, layout: KVLayout, tokens: int) -> None:
-    for name, tensor, row, dtype in (("keys", keys, layout.key_row, layout.key_dtype),
-                                     ("values", values, layout.value_row, layout.value_dtype)):
-        expected = (layout.layers, tokens, *row)
-        if tuple(tensor.shape) != expected or tensor.dtype != dtype:
-            raise CorruptChunkFile(
-                f"{path}: {name} are {tuple(tensor.shape)} {tensor.dtype}, the pool holds {expected} {dtype}"
-            )
-
-
-class CorruptChunkFile(ValueError):
-    pass

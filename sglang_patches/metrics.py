@@ -21,12 +21,17 @@ COUNTER_NAMES = {
     "leases_over_share": "linked requests queued without a chunk lease: leases held their share of the pool",
     "leases_lapsed": "chunk leases released because their request neither ran nor ended in time",
     "repaired_tokens": "grafted chunk tokens corrected by the CacheRepair network",
-    "disk_saves": "compiled chunks written to the disk chunk store",
-    "disk_loads": "chunks reloaded from the disk chunk store",
-    "disk_rejects": "persisted chunk files found corrupt, foreign or of another KV shape and ignored",
-    "disk_write_failures": "chunk saves that failed to write (full disk, I/O error) and were dropped",
-    "disk_saves_dropped": "chunk saves dropped unwritten because the disk writer's queue was full",
+    "disk_saves": "compiled chunks written to the chunk store (file or Mooncake)",
+    "disk_loads": "chunks reloaded into the KV pool from the host tier or the chunk store",
+    "disk_misses": "chunk lookups that found the chunk in neither the host tier nor the chunk store",
+    "disk_rejects": "stored chunks found corrupt, foreign or of another KV shape and ignored",
+    "disk_write_failures": "chunk saves that failed (full disk or store, I/O error, store down or slow) and were dropped",
+    "disk_saves_dropped": "chunk saves dropped unwritten because the chunk writer's queue was full",
     "disk_evictions": "persisted chunk files evicted, least recently used first, to keep the store under its size bound",
+    "host_loads": "chunks reloaded from the host-memory tier",
+    "host_evictions": "chunks dropped from the host-memory tier, least recently used first, to keep its bound",
+    "store_loads": "chunks reloaded from the chunk store (file or Mooncake) past the host tier",
+    "store_failures": "chunk lookups the store did not answer (down, slow past the timeout, not connected): computed",
 }
 
 

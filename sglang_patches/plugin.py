@@ -37,31 +37,53 @@ SUPPORTED_SGLANG = "0.5.23"
 
 
 def _disk_store(ctx, kv_pool):
-    """The chunk store of this scheduler process, or None without PICRAG_CHUNK_STORE_DIR. Each
-    tensor/pipeline rank gets its own directory, and so does each combination of KV options."""
+    """The chunk store of this scheduler process (sglang_patches.chunk_store_spec: a directory or a
+    Mooncake store), or None without one. Each tensor/pipeline rank gets its own directory or key
+    space, and so does each combination of KV options."""
     import os
     from pathlib import Path
 
-    from sglang_patches.disk_chunk_store import (
-        KV_SERVER_OPTIONS, MAX_BYTES_ENV, STORE_DIR_ENV, DiskChunkStore, partition_name,
-    )
+    from sglang_patches.chunk_store_spec import MAX_BYTES_ENV, TIMEOUT_ENV, MooncakeSpec, spec_from_env
+    from sglang_patches.disk_chunk_store import KV_SERVER_OPTIONS, DiskChunkStore, partition_name
+    from sglang_patches.hicache_chunk_store import DEFAULT_TIMEOUT_S, HiCacheChunkStore, mooncake_backend
     from picrag_core.model_fingerprint import model_fingerprint
 
-    root = os.environ.get(STORE_DIR_ENV)
-    if not root:
+    spec = spec_from_env()
+    if spec is None:
         return None
     args = ctx.server_args
     fingerprint = model_fingerprint(Path(args.model_path), kv_pool.dtype)
     ranks = {"tp": (ctx.tp_rank, ctx.tp_size), "pp": (ctx.params.pp_rank, ctx.params.pp_size)}
     partition = partition_name(ranks, {name: getattr(args, name, None) for name in KV_SERVER_OPTIONS})
+    if isinstance(spec, MooncakeSpec):
+        timeout_s = float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
+        store = HiCacheChunkStore(lambda: mooncake_backend(spec, ranks), fingerprint, partition,
+                                  timeout_s=timeout_s, name=spec.url)
+        logger.info("picrag chunk store on Mooncake: %s (%s, timeout %g s per call)", spec.url,
+                    "connected" if store.connected else "connecting", timeout_s)
+        return store
     max_bytes = os.environ.get(MAX_BYTES_ENV)
     store = DiskChunkStore(
-        Path(root), fingerprint, partition,
+        spec, fingerprint, partition,
         max_bytes=int(max_bytes) if max_bytes else None, processes=ctx.tp_size * ctx.params.pp_size,
     )
     logger.info("picrag chunk store on disk: %s (%d of at most %d bytes)",
                 store.directory, store.stored_bytes, store.max_bytes)
     return store
+
+
+def _with_host_tier(store, counters):
+    """`store` behind the host-memory tier (sglang_patches.host_chunk_tier), unless it is off."""
+    import os
+
+    from sglang_patches.chunk_store_spec import HOST_BYTES_ENV
+    from sglang_patches.host_chunk_tier import DEFAULT_HOST_BYTES, HostChunkTier
+
+    host_bytes = int(os.environ.get(HOST_BYTES_ENV) or DEFAULT_HOST_BYTES)
+    if store is None or host_bytes <= 0:
+        return store
+    logger.info("picrag host-memory chunk tier: up to %d bytes", host_bytes)
+    return HostChunkTier(store, host_bytes, counters)
 
 
 def _sink_token(ctx):
@@ -92,11 +114,12 @@ def _chunk_cache_factory(ctx):
         # refuses chunk reuse (the failed check says why).
         cache = RadixCache(ctx.params)
     else:
+        counters = prometheus_counters()
         cache = ChunkRadixCache(
             ctx.params, kv_pool=kv_pool, shifter=shifter,
             engine=EngineSettings.of(_sink_token(ctx), ctx.server_args.attention_backend,
-                                     ctx.tp_worker.model_runner.model_config.hf_config),
-            counters=prometheus_counters(), disk_store=_disk_store(ctx, kv_pool),
+                                     ctx.tp_worker.model_runner.model_config),
+            counters=counters, disk_store=_with_host_tier(_disk_store(ctx, kv_pool), counters),
             repairer=load_engine_repairer(Path(ctx.server_args.model_path)),
         )
         logger.info("picrag chunk radix cache active (pool of %d tokens)", kv_pool.size)

@@ -23,6 +23,7 @@ import psutil
 from rag_server.launch.ports import free_port
 from rag_server.launch.process_group import died_during_start, start_in_own_group, stop_process_group
 from sglang_patches.attention_backends import FLASHINFER_BACKEND, NATIVE_BACKEND
+from sglang_patches.chunk_store_spec import HOST_BYTES_ENV, MAX_BYTES_ENV, TIMEOUT_ENV, ChunkStoreSpec, store_env
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +70,10 @@ class RuntimeConfig:
     context_length: int | None = None
     threads: int | None = None
     log_level: str = "warning"
-    chunk_store: Path | None = None
+    chunk_store: ChunkStoreSpec | None = None  # a directory (file store) or a Mooncake store
     chunk_store_max_bytes: int | None = None
+    chunk_host_bytes: int | None = None  # the host-memory tier's bound (None: the engine's default)
+    chunk_store_timeout_s: float | None = None  # per call into a remote store (None: the engine's default)
     repair_checkpoint: Path | None = None
     plugins: bool = True  # False: stock SGLang, no plugin loaded (the bench's `vanilla` baseline)
     extra_args: list[str] = field(default_factory=list)
@@ -97,6 +100,8 @@ class RuntimeConfig:
             log_level=self.log_level,
             chunk_store=self.chunk_store,
             chunk_store_max_bytes=self.chunk_store_max_bytes,
+            chunk_host_bytes=self.chunk_host_bytes,
+            chunk_store_timeout_s=self.chunk_store_timeout_s,
             repair_checkpoint=self.repair_checkpoint,
             plugins=self.plugins,
             extra_args=list(self.extra_args),
@@ -142,11 +147,12 @@ class RuntimeConfig:
             # SGLang loads only the plugins this allowlist names; no plugin is named so.
             env["SGLANG_PLUGINS"] = NO_PLUGIN
         if self.chunk_store is not None:
-            # Read by sglang_patches in the scheduler process (disk_chunk_store.STORE_DIR_ENV).
-            env["PICRAG_CHUNK_STORE_DIR"] = str(self.chunk_store)
-            if self.chunk_store_max_bytes is not None:
-                # disk_chunk_store.MAX_BYTES_ENV; unset: the store's own default bound.
-                env["PICRAG_CHUNK_STORE_MAX_BYTES"] = str(self.chunk_store_max_bytes)
+            # Read by sglang_patches.plugin in the scheduler process; unset settings: the engine's defaults.
+            env.update(store_env(self.chunk_store))
+            for name, value in ((MAX_BYTES_ENV, self.chunk_store_max_bytes), (HOST_BYTES_ENV, self.chunk_host_bytes),
+                                (TIMEOUT_ENV, self.chunk_store_timeout_s)):
+                if value is not None:
+                    env[name] = str(value)
         if self.repair_checkpoint is not None:
             # Read by sglang_patches.repair.kv_repair (REPAIR_CHECKPOINT_ENV) when the chunk cache starts.
             env["PICRAG_REPAIR_CHECKPOINT"] = str(self.repair_checkpoint)
