@@ -1,0 +1,106 @@
+"""Two replicas sharing compiled chunks through a Mooncake store: `picrag serve --replicas 2
+--chunk-store mooncake://... --start-mooncake-master`.
+
+The `slow` tests share ONE server (two runtimes of the default model, the gateway and a local
+Mooncake master) and run in file order: the last one stops the master.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from rag_server.launch.ports import free_port
+from tests.chunk_requests import assert_same_answer, passages_of
+from tests.conftest import start_picrag_server, stop_picrag_server
+from tests.test_replicas import READY, Replicas, _linked_body, _served
+
+MASTER_READY = re.compile(r"mooncake master ready at \S+, metadata on port \d+ \(process group (\d+)\)")
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory, default_model_dir) -> Replicas:
+    directory = tmp_path_factory.mktemp("mooncake-replicas")
+    rpc = free_port()
+    metadata = free_port(taken=[rpc])
+    store = (f"mooncake://127.0.0.1:{rpc}?metadata=http://127.0.0.1:{metadata}/metadata"
+             f"&segment=256M&local=127.0.0.1")
+    server = start_picrag_server(directory / "server.log",
+                                 ["--replicas", "2", "--max-total-tokens", "8192", "--chunk-store", store,
+                                  "--start-mooncake-master", "--chunk-store-timeout", "5"])
+    ready = sorted(READY.findall(server.log.read_text()))
+    started = Replicas(server, [url for _, url, _ in ready], [int(pgid) for _, _, pgid in ready], directory)
+    yield started
+    stop_picrag_server(server)
+
+
+def _delta(after: dict, before: dict, name: str) -> float:
+    return after.get(name, 0) - before.get(name, 0)
+
+
+def _wait_for_saves(replicas: Replicas, index: int, before: dict, timeout_s: float = 120.0) -> dict:
+    """The replica's counters once every chunk it compiled since `before` has been written or has
+    failed to be (saves run off the request's path)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = replicas.counters()[index]
+        done = _delta(now, before, "disk_saves") + _delta(now, before, "disk_write_failures")
+        if done >= _delta(now, before, "compile_chunk_misses"):
+            return now
+        assert time.monotonic() < deadline, f"chunk saves not done: {now}"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_a_passage_set_compiled_on_one_replica_is_loaded_on_the_other_through_mooncake(replicas, layout, musique):
+    prompt = layout.build(musique[16]["question"], passages_of(musique[16], [0, 1, 2]))
+    before = replicas.counters()
+    with replicas.server.client() as client:
+        home, answer = _served(replicas, client, prompt)
+    saved = _wait_for_saves(replicas, home, before[home])
+    assert _delta(saved, before[home], "disk_saves") >= len(prompt.chunks)
+    assert _delta(saved, before[home], "disk_write_failures") == 0
+    other = 1 - home
+    other_before = replicas.counters()[other]
+    # The other replica, asked directly, has never seen these passages: it links them from Mooncake.
+    with httpx.Client(base_url=replicas.urls[other], timeout=600) as direct:
+        response = direct.post("/generate", json=_linked_body(prompt))
+    assert response.status_code == 200, response.text
+    after = replicas.counters()[other]
+    assert _delta(after, other_before, "store_loads") >= len(prompt.chunks)
+    assert _delta(after, other_before, "host_loads") == 0
+    assert _delta(after, other_before, "chunk_misses") == 0
+    assert _delta(after, other_before, "compile_computed_tokens") == 0
+    assert_same_answer(response.json(), answer)
+
+
+@pytest.mark.slow
+def test_with_the_master_stopped_requests_are_computed_and_the_misses_counted(replicas, layout, musique):
+    (pgid,) = MASTER_READY.findall(replicas.server.log.read_text())
+    os.killpg(int(pgid), signal.SIGKILL)
+    prompt = layout.build(musique[17]["question"], passages_of(musique[17], [0, 1, 2]))
+    before = replicas.counters()
+    with replicas.server.client() as client:
+        home, answer = _served(replicas, client, prompt)
+        assert answer["text"] and answer["meta_info"]["completion_tokens"] > 0
+        saved = _wait_for_saves(replicas, home, before[home])
+        assert client.get("/health").status_code == 200
+    # Each passage was looked for in the store and not found there (down, or past the timeout)...
+    missed = _delta(saved, before[home], "disk_misses") + _delta(saved, before[home], "store_failures")
+    assert missed >= len(prompt.chunks)
+    assert _delta(saved, before[home], "store_loads") == 0
+    # ...computed (its compile missed) and not saved: every write failed and was counted.
+    assert _delta(saved, before[home], "compile_chunk_misses") >= len(prompt.chunks)
+    assert _delta(saved, before[home], "disk_saves") == 0
+    assert _delta(saved, before[home], "disk_write_failures") >= len(prompt.chunks)
+    # The same passages linked again are reused from the replica's own memory, with the same answer.
+    with replicas.server.client() as client:
+        again_home, again = _served(replicas, client, prompt)
+    assert again_home == home
+    assert_same_answer(again, answer)
+    assert replicas.server.process.poll() is None
