@@ -48,6 +48,15 @@ if [ "$want_test" = 1 ] && [ ! -e "$test_stamp" ]; then
   rm -f "$VENV"/.picrag-test-*
   touch "$test_stamp"
 fi
+# Mooncake (--chunk-store mooncake://, requirements/runtime.txt) links libibverbs even over TCP.
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then
+  echo "[setup] installing libibverbs1 (apt) for the Mooncake chunk store"
+  as_root=(); [ "$(id -u)" = 0 ] || as_root=(sudo)
+  if ! { "${as_root[@]}" apt-get update -qq >/dev/null &&
+         "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; }; then
+    echo "[setup] warning: libibverbs1 not installed: --chunk-store mooncake:// will not start (file:// works)" >&2
+  fi
+fi
 # The page's browser test (tests/test_web_page.py) drives Debian's chromium through chromedriver.
 if [ "$want_test" = 1 ] && ! { command -v chromium && command -v chromedriver; } >/dev/null; then
   echo "[setup] installing chromium and chromium-driver (apt) for the page's browser test"
