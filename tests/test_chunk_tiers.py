@@ -5,6 +5,7 @@ MooncakeStore against a real `mooncake_master` (a process of its own, a few seco
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 from pathlib import Path
@@ -231,3 +232,32 @@ def test_a_corrupt_mooncake_value_is_a_counted_reject(mooncake):
                             _allocate=lambda n: pytest.fail("a rejected value takes no slots"))
     assert ChunkRadixCache._load_from_disk(cache, tokens) is None
     assert cache.counters.values == {"disk_rejects": 1}
+
+
+# ---- the SGLang seam ----------------------------------------------------------------------------
+
+
+def test_the_hicache_storage_seam_the_mooncake_tier_calls():
+    """sglang_patches.hicache_chunk_store builds MooncakeStore through SGLang's backend factory and
+    calls its key-value methods with zero-copy locations (sglang==0.5.23)."""
+    import inspect
+
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+    from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
+
+    assert list(inspect.signature(StorageBackendFactory.create_backend).parameters) == [
+        "backend_name", "storage_config", "mem_pool_host", "kwargs"]
+    assert StorageBackendFactory._registry["mooncake"]["class_name"] == "MooncakeStore"
+    assert issubclass(MooncakeStore, HiCacheStorage)
+    for method in ("get", "set"):
+        assert list(inspect.signature(getattr(MooncakeStore, method)).parameters)[-2:] == [
+            "target_location", "target_sizes"]
+    assert list(inspect.signature(MooncakeStore.exists).parameters) == ["self", "key"]
+    assert list(inspect.signature(MooncakeStore.register_buffer).parameters) == ["self", "tensor"]
+    fields = set(HiCacheStorageConfig.__dataclass_fields__)
+    assert {"tp_rank", "tp_size", "pp_rank", "pp_size", "model_name", "extra_config"} <= fields
+    # The extra_config keys chunk_store_spec.MooncakeSpec fills are the ones MooncakeStore reads.
+    source = inspect.getsource(importlib.import_module(MooncakeStore.__module__).MooncakeStoreConfig)
+    for key in parse_chunk_store("mooncake://h:1?local=x").extra_config():
+        assert f'"{key}"' in source, key
