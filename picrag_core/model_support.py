@@ -8,8 +8,10 @@ config breaks one of them gets its chunk-reusing families refused, with the reas
 engine (sglang_patches.request_guard) and the frontend (rag_server/linking/policy_resolver.py)
 alike; `prefix` and `full` are SGLang's own and stay. What is read:
 
-* sliding-window layers (Mistral v0.1, Gemma 2/3, some Qwen2 configs) narrower than the
-  context: a reused chunk's tokens would be attended from beyond the window;
+* sliding-window layers (Mistral v0.1, Phi-3-mini-4k, Gemma 2/3, some Qwen2 configs) narrower
+  than the served context: a reused chunk's tokens would be attended from beyond the window
+  (served with a context no wider than the window, the window never drops a token and every
+  family is exact);
 * multi-head latent attention (DeepSeek V2/V3, Kimi K2: `kv_lora_rank`): the cache holds a
   latent, not post-RoPE keys that a rotation moves;
 * ALiBi or no rotary embedding at all: position enters as a bias, nothing to re-rotate;
@@ -19,8 +21,9 @@ alike; `prefix` and `full` are SGLang's own and stay. What is read:
 Some models the runtime itself would compute wrongly, whatever the policy; `picrag serve`
 refuses them at start (sglang_patches.attention_backends.model_backend_refusal): attention logit
 soft-capping (Gemma 2) on a backend that does not cap, routed experts on CPU (SGLang's CPU MoE
-answers zeros without sgl-kernel's ops), and a partial rotary factor that SGLang's Llama classes
-do not see (`runtime_refusal`).
+answers zeros without sgl-kernel's ops), a partial rotary factor that SGLang's Llama classes
+do not see, and a sliding window narrower than the served context on an SGLang class that
+attends over the whole context instead (`runtime_refusal`).
 
 CacheBlend runs inside the decoder layers (sglang_patches.cacheblend), whose hook covers the
 architectures in BLEND_ARCHITECTURES; for others it steps aside and `cacheblend` is refused.
@@ -46,6 +49,12 @@ TESTED_ARCHITECTURES = BLEND_ARCHITECTURES | frozenset({"Olmo2ForCausalLM", "Gra
 # SGLang's Llama classes read partial_rotary_factor from the config's top level, where
 # transformers 5 no longer puts it (it lives in rope_parameters): they would rotate the whole head.
 _TOP_LEVEL_PARTIAL_ROTARY = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM"})
+# SGLang 0.5.23's classes for these build their attention without the config's sliding window:
+# every layer attends over the whole context (tests/test_sglang_seams.py reads their modules).
+WINDOW_BLIND_ARCHITECTURES = frozenset({
+    "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Starcoder2ForCausalLM",
+})
 # RoPE variants whose table is one rotation per position (YaRN's constant magnitude scale is
 # divided out by picrag_core.rope_shift).
 POSITIONAL_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "llama3", "yarn"})
@@ -60,8 +69,10 @@ class ModelTraits:
 
     architecture: str
     model_type: str
-    context_length: Optional[int]
-    sliding_window: Optional[int]  # the narrowest window of a layer that has one (None: no such layer)
+    context_length: Optional[int]  # as served
+    # The narrowest window of a layer that has one, when narrower than the served context
+    # (None: no layer ever drops a token)
+    sliding_window: Optional[int]
     attention_softcap: Optional[float]
     latent_attention: bool  # MLA
     alibi: bool
@@ -70,18 +81,20 @@ class ModelTraits:
     nested_partial_rotary: bool = False  # partial_rotary_factor < 1 only inside rope_parameters
 
     @classmethod
-    def of_config(cls, config: Mapping[str, Any]) -> ModelTraits:
+    def of_config(cls, config: Mapping[str, Any], context_length: Optional[int] = None) -> ModelTraits:
         """From an HF config.json's fields (a PretrainedConfig's to_dict()); a multimodal
-        config's language model is read from its `text_config`."""
+        config's language model is read from its `text_config`. `context_length`: the context
+        the model is served with (SGLang's --context-length; None: the config's)."""
         text = config.get("text_config") or config
         architectures = config.get("architectures") or [""]
         model_type = str(text.get("model_type") or config.get("model_type") or "")
-        context = text.get("max_position_embeddings")
+        configured = text.get("max_position_embeddings")
+        context = context_length or (int(configured) if isinstance(configured, int) else None)
         return cls(
             architecture=str(architectures[0]),
             model_type=model_type,
-            context_length=int(context) if isinstance(context, int) else None,
-            sliding_window=_sliding_window(text),
+            context_length=context,
+            sliding_window=_sliding_window(text, context),
             attention_softcap=text.get("attn_logit_softcapping") or None,
             latent_attention=bool(text.get("kv_lora_rank")),
             alibi=bool(text.get("alibi") or text.get("use_alibi")) or model_type in _ALIBI_MODEL_TYPES,
@@ -97,15 +110,14 @@ def _nested_partial_rotary(text: Mapping[str, Any]) -> bool:
     return nested is not None and nested < 1 and text.get("partial_rotary_factor") is None
 
 
-def _sliding_window(text: Mapping[str, Any]) -> Optional[int]:
+def _sliding_window(text: Mapping[str, Any], context: Optional[int]) -> Optional[int]:
     window = text.get("sliding_window")
     if not isinstance(window, int) or window <= 0 or text.get("use_sliding_window") is False:
         return None
     layer_types = text.get("layer_types")
     if isinstance(layer_types, list) and "sliding_attention" not in layer_types:
         return None
-    context = text.get("max_position_embeddings")
-    if isinstance(context, int) and window >= context:
+    if context is not None and window >= context:
         return None  # a window as wide as the context never drops a token
     return window
 
@@ -133,8 +145,9 @@ def chunk_reuse_refusal(traits: ModelTraits) -> Optional[str]:
     if traits.alibi or traits.rope_type is None:
         return "the model has no rotary embedding (ALiBi or absolute positions): nothing re-positions a cached key"
     if traits.sliding_window is not None:
-        return (f"the model has sliding-window layers ({traits.sliding_window} tokens): a reused chunk's "
-                "KV would be attended from outside the window its layers allow")
+        return (f"the model has sliding-window layers ({traits.sliding_window} tokens, served context "
+                f"{traits.context_length}): a reused chunk's KV would be attended from outside the window its "
+                f"layers allow (served with --context-length {traits.sliding_window} or less, the window drops nothing)")
     if traits.rope_type not in POSITIONAL_ROPE_TYPES:
         return (f"its RoPE ({traits.rope_type}) is not one rotation per position (it depends on the prompt's "
                 "length or on several position axes): a cached key cannot be moved by re-rotation")
@@ -164,4 +177,9 @@ def runtime_refusal(traits: ModelTraits) -> Optional[str]:
         return ("its config puts partial_rotary_factor inside rope_parameters, and SGLang's "
                 f"{traits.architecture} reads it from the top level: it would rotate the whole head "
                 "(add \"partial_rotary_factor\" at the config's top level)")
+    if traits.sliding_window is not None and traits.architecture in WINDOW_BLIND_ARCHITECTURES:
+        return (f"SGLang's {traits.architecture} attends over the whole context, not the "
+                f"{traits.sliding_window}-token sliding window its config names: prompts longer than the "
+                f"window would be computed wrongly (serve it with --context-length {traits.sliding_window} "
+                "or less, where the window never drops a token)")
     return None

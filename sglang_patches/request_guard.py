@@ -92,9 +92,11 @@ class EngineSettings:
     model_refusals: Mapping[str, str] = field(default_factory=dict)  # family -> why the model forbids it
 
     @classmethod
-    def of(cls, sink_token: Optional[int], attention_backend: Optional[str], hf_config) -> EngineSettings:
-        """`hf_config`: the served model's transformers config (SGLang's model_config.hf_config)."""
-        return cls(sink_token, attention_backend, model_refusals(ModelTraits.of_config(hf_config.to_dict())))
+    def of(cls, sink_token: Optional[int], attention_backend: Optional[str], model_config) -> EngineSettings:
+        """`model_config`: SGLang's ModelConfig of the served model (its transformers config and
+        the context it is served with)."""
+        traits = ModelTraits.of_config(model_config.hf_config.to_dict(), model_config.context_len)
+        return cls(sink_token, attention_backend, model_refusals(traits))
 
 
 def admitted_link(kv_hints: Any, shape: RequestShape, engine: EngineSettings) -> Optional[LinkRequest]:
@@ -169,7 +171,7 @@ def _engine_settings(manager) -> EngineSettings:
     if engine is None:
         tokenizer = manager.tokenizer
         engine = EngineSettings.of(None if tokenizer is None else tokenizer.bos_token_id,
-                                   manager.server_args.attention_backend, manager.model_config.hf_config)
+                                   manager.server_args.attention_backend, manager.model_config)
         manager._picrag_engine = engine
     return engine
 

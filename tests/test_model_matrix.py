@@ -17,7 +17,12 @@ Per family, on one prompt (a head, two chunks, a question):
 - `naive` equals an independent transformers computation of its definition: the head as a
   prefix, each chunk computed alone (at its prompt positions: RoPE is relative, so the same as
   alone at 0.. and re-rotated), the question over their concatenated KV;
-- `cacherepair` with an untrained (zero-output) network equals `naive`.
+- `cacherepair` with an untrained (zero-output) network equals `naive`;
+- a family the model forbids (picrag_core.model_support: Gemma 3's sliding windows forbid chunk
+  reuse) is answered 400 with the reason, and `full` still equals transformers.
+A model the runtime would compute wrongly is refused by `picrag serve` at start: Qwen3-MoE on
+CPU, and Mistral v0.1 served past its window (SGLang's Llama classes ignore the window; within
+it, with --context-length, it is in the matrix above).
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ from tests.chunk_requests import first_token_top, picrag_meta
 from tests.conftest import write_zero_repair_checkpoint
 from tests.forked_runtime import RuntimeZygote
 from tests.tiny_models import FAMILIES, REFUSED_ON_CPU, make_tiny_model
-from picrag_core.link_hints import LinkRequest, link_hints, runtime_request
-from picrag_core.model_support import BLEND_ARCHITECTURES
+from picrag_core.link_hints import LinkRequest, runtime_request
+from picrag_core.model_support import model_refusals
 from rag_server.launch.model_check import served_model_traits
 from rag_server.launch.runtime import CPU_ATTENTION_BACKEND, RuntimeConfig
 from rag_server.launch.selfcheck import run_self_check
@@ -116,55 +121,82 @@ def zygote(tmp_path_factory):
     forks.close()
 
 
+def refusal(client, input_ids, policy: str, chunks) -> str:
+    """The runtime's 400 for a link it must refuse before any compute."""
+    runtime_ids, hints = runtime_request(input_ids, LinkRequest.of(policy, chunks))
+    response = client.post("/generate", json={"input_ids": runtime_ids, "kv_hints": hints,
+                                              "sampling_params": {"max_new_tokens": 1}})
+    assert response.status_code == 400, response.text
+    return response.text
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_policy_is_exact_on_the_family(family, tokenizer_dir, zygote, tmp_path):
     import httpx
     from transformers import AutoModelForCausalLM
 
+    context_length = FAMILIES[family].context_length
     model_dir = make_tiny_model(family, tmp_path / family, tokenizer_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    traits = served_model_traits(model_dir, CPU_ATTENTION_BACKEND)  # what picrag serve checks first
-    checkpoint = write_zero_repair_checkpoint(model_dir, tmp_path / "zero-repair")
-    runtime = zygote.start(RuntimeConfig(model_dir, max_total_tokens=4096, repair_checkpoint=checkpoint), family)
+    traits = served_model_traits(model_dir, CPU_ATTENTION_BACKEND, context_length)  # what picrag serve checks first
+    refused = model_refusals(traits)  # family -> why the engine must answer 400
+    reuses = "naive" not in refused
+    checkpoint = write_zero_repair_checkpoint(model_dir, tmp_path / "zero-repair") if reuses else None
+    runtime = zygote.start(RuntimeConfig(model_dir, max_total_tokens=4096, context_length=context_length,
+                                         repair_checkpoint=checkpoint), family)
     try:
-        selfcheck = run_self_check(runtime.url, model_dir, engine_refusals(CPU_ATTENTION_BACKEND, None, traits))
+        unavailable = engine_refusals(CPU_ATTENTION_BACKEND, None if reuses else "no checkpoint", traits)
+        selfcheck = run_self_check(runtime.url, model_dir, unavailable)
         assert selfcheck.passed, selfcheck
         with httpx.Client(base_url=runtime.url, timeout=600) as client:
             input_ids, chunks = prompt()
             full = first_token_top(linked(client, input_ids, "full", chunks))
             assert_same(full, full_reference(model, input_ids), "full against transformers")
-            covering = max(end - start for start, end in chunks)
-            assert_same(first_token_top(linked(client, input_ids, f"legolink:{covering}", chunks)), full,
-                        "legolink covering")
 
-            if traits.architecture in BLEND_ARCHITECTURES:
-                assert_same(first_token_top(linked(client, input_ids, "cacheblend:1.0", chunks)), full,
-                            "cacheblend:1.0")
+            covering = max(end - start for start, end in chunks)
+            expected = {f"legolink:{covering}": lambda: full, "cacheblend:1.0": lambda: full,
+                        "naive": lambda: naive_reference(model, input_ids, chunks)}
+            for policy, reference in expected.items():
+                name = LinkRequest.of(policy, chunks).family.name
+                if name in refused:
+                    assert refused[name] in refusal(client, input_ids, policy, chunks), policy
+                else:
+                    assert_same(first_token_top(linked(client, input_ids, policy, chunks)), reference(), policy)
+
+            if "cacheblend" not in refused:
                 blended = linked(client, input_ids, "cacheblend:0.3", chunks)
                 # The layer hook ran: later layers skipped most chunk tokens.
                 assert picrag_meta(blended).reused_tokens > 0, blended["meta_info"]
+            if reuses:
+                naive = linked(client, input_ids, "naive", chunks)
+                assert picrag_meta(naive).reused_tokens >= sum(end - start for start, end in chunks)
+                assert_same(first_token_top(linked(client, input_ids, "cacherepair", chunks)), first_token_top(naive),
+                            "cacherepair (zero network)")
             else:
-                body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 1},
-                        "kv_hints": link_hints("cacheblend:0.3", chunks)}
-                refused = client.post("/generate", json=body)
-                assert refused.status_code == 400 and "layer hook" in refused.text, refused.text
-
-            naive = linked(client, input_ids, "naive", chunks)
-            assert picrag_meta(naive).reused_tokens >= sum(end - start for start, end in chunks)
-            assert_same(first_token_top(naive), naive_reference(model, input_ids, chunks), "naive against transformers")
-            assert_same(first_token_top(linked(client, input_ids, "cacherepair", chunks)), first_token_top(naive),
-                        "cacherepair (zero network)")
+                assert refused["cacherepair"] in refusal(client, input_ids, "cacherepair", chunks)
     finally:
         runtime.stop()
 
 
-@pytest.mark.parametrize("family", sorted(REFUSED_ON_CPU))
-def test_a_family_the_runtime_cannot_compute_is_refused_at_start(family, tokenizer_dir, tmp_path):
+def serve_refusal(model_dir) -> str:
+    """What `picrag serve` says on stderr when it exits 2 at start."""
     import subprocess
     import sys
 
-    model_dir = make_tiny_model(family, tmp_path / family, tokenizer_dir)
     done = subprocess.run([sys.executable, "-m", "rag_server.cli", "serve", "--model", str(model_dir), "--no-index",
                            "--device", "cpu"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
-    assert "experts" in done.stderr and "zero hidden states" in done.stderr, done.stderr[-2000:]
+    return done.stderr
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED_ON_CPU))
+def test_a_family_the_runtime_cannot_compute_is_refused_at_start(family, tokenizer_dir, tmp_path):
+    stderr = serve_refusal(make_tiny_model(family, tmp_path / family, tokenizer_dir))
+    assert "experts" in stderr and "zero hidden states" in stderr, stderr[-2000:]
+
+
+def test_a_window_the_runtime_ignores_is_refused_past_it(tokenizer_dir, tmp_path):
+    """Mistral v0.1's window, served with the config's whole context, would be computed as
+    whole-context attention past it: picrag serve refuses and says how to serve it."""
+    stderr = serve_refusal(make_tiny_model("mistral-v0.1", tmp_path / "mistral", tokenizer_dir))
+    assert "attends over the whole context" in stderr and "--context-length 256" in stderr, stderr[-2000:]

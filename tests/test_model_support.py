@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import transformers
 
@@ -73,6 +75,21 @@ def test_a_window_as_wide_as_the_context_is_no_window():
                   max_window_layers=0).sliding_window == 1024
 
 
+def test_a_window_the_runtime_ignores_is_served_only_within_it():
+    """SGLang's Llama classes attend over the whole context: Mistral v0.1 (window 4096, context
+    32768) would be computed wrongly past its window, so it is served only with a context no wider
+    than the window, where the window drops nothing and every family is exact."""
+    mistral = {**transformers.MistralConfig().to_dict(), "architectures": ["MistralForCausalLM"]}
+    refusal = model_backend_refusal(ModelTraits.of_config(mistral), FLASHINFER_BACKEND)
+    assert "whole context" in refusal and "--context-length 4096" in refusal
+    within = ModelTraits.of_config(mistral, context_length=4096)
+    assert model_backend_refusal(within, NATIVE_BACKEND) is None and model_refusals(within) == {}
+    # Gemma 3's SGLang class applies its windows: served whole, chunk reuse refused.
+    gemma3 = traits("Gemma3TextConfig", "Gemma3ForCausalLM")
+    assert model_backend_refusal(gemma3, FLASHINFER_BACKEND) is None
+    assert sorted(model_refusals(gemma3)) == CHUNK_FAMILIES
+
+
 def test_soft_capped_attention_is_served_only_where_the_backend_caps():
     gemma2 = traits("Gemma2Config", "Gemma2ForCausalLM")
     assert "soft-caps" in model_backend_refusal(gemma2, NATIVE_BACKEND)
@@ -97,23 +114,26 @@ def test_the_tested_architectures_cover_the_blend_hook():
     assert BLEND_ARCHITECTURES <= TESTED_ARCHITECTURES
 
 
-class _HFConfig:
-    def __init__(self, config: dict):
-        self.config = config
+class _ModelConfig:
+    """Stands for SGLang's ModelConfig: the transformers config and the served context."""
 
-    def to_dict(self) -> dict:
-        return self.config
+    def __init__(self, config: dict, context_len: int):
+        self.hf_config = SimpleNamespace(to_dict=lambda: config)
+        self.context_len = context_len
 
 
 def test_the_engine_refuses_a_family_the_model_forbids():
     config = {**transformers.MistralConfig().to_dict(), "architectures": ["MistralForCausalLM"]}
-    engine = EngineSettings.of(1, NATIVE_BACKEND, _HFConfig(config))
+    engine = EngineSettings.of(1, NATIVE_BACKEND, _ModelConfig(config, 32768))
     hints = hints_of(LinkRequest.of("naive", [(2, 9)]))
     shape = RequestShape(prompt_len=12, max_new_tokens=4, namespaced=False)
     # SGLang validates each prompt of a batch with its own envelope: every form reaches this check.
     with pytest.raises(LinkHintError, match="sliding-window"):
         admitted_link(hints, shape, engine)
     assert admitted_link(hints_of(LinkRequest.of("prefix", [(2, 9)])), shape, engine).policy == "prefix"
+    # Served with a context no wider than the window (4096), the window drops nothing.
+    within = EngineSettings.of(1, NATIVE_BACKEND, _ModelConfig(config, 4096))
+    assert admitted_link(hints, shape, within).policy == "naive"
 
 
 def test_the_frontend_refuses_them_with_the_reason_and_falls_back_for_its_default():
@@ -129,3 +149,20 @@ def test_the_frontend_refuses_them_with_the_reason_and_falls_back_for_its_defaul
     assert windowed.default.name == "prefix"
     menu = {entry["name"]: entry for entry in windowed.menu()}
     assert not menu["naive"]["available"] and "sliding-window" in menu["naive"]["reason"]
+
+
+def test_cacherepair_trains_for_a_model_that_reuses_chunks_within_some_context(tmp_path):
+    """A repair checkpoint is for a model whose chunks can be reused: refused for latent
+    attention; accepted for Mistral v0.1, whose chunks are reused when it is served within its window."""
+    import json
+
+    from picrag_core.repair.config import ModelFolderError, read_hf_config
+
+    for name, config_class, architecture in (("mla", "DeepseekV3Config", "DeepseekV3ForCausalLM"),
+                                              ("window", "MistralConfig", "MistralForCausalLM")):
+        (tmp_path / name).mkdir()
+        config = {**getattr(transformers, config_class)().to_dict(), "architectures": [architecture]}
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelFolderError, match="latent"):
+        read_hf_config(tmp_path / "mla")
+    assert read_hf_config(tmp_path / "window")["sliding_window"] == 4096

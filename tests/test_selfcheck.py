@@ -202,6 +202,17 @@ def test_legolink_check_is_skipped_where_legolink_is_unavailable(layout):
     assert "legolink" not in fake.calls
 
 
+def test_a_model_that_refuses_chunk_reuse_skips_the_forwards(layout):
+    """A model whose every chunk-reusing family is refused (sliding windows: naive would be 400)
+    has no reuse to check: the checks are skipped with the reason, not failed."""
+    fake = FakeRuntime()
+    window = "the model has sliding-window layers"
+    report = check_against(fake, layout, {"naive": window, "legolink": window})
+    assert report.passed
+    assert statuses(report) == {"rope_shift": PASSED, "reuse_at_offset_0": SKIPPED, "legolink_covering_chunks": SKIPPED}
+    assert window in report.checks[1].detail and fake.calls == []
+
+
 def test_a_flat_first_token_distribution_passes_no_check(layout):
     report = check_against(FakeRuntime(flat=True), layout)
     assert [c.name for c in report.checks if c.status == FAILED] == ["reuse_at_offset_0", "legolink_covering_chunks"]

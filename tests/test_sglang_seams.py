@@ -182,6 +182,20 @@ def _decoder_layer_forward(architecture: str) -> str:
     raise AssertionError(f"no decoder layer found for {architecture}")
 
 
+def test_the_window_blind_architectures_are_those_whose_layers_ignore_the_window():
+    """picrag_core.model_support.WINDOW_BLIND_ARCHITECTURES (served only within their window)
+    must be exactly the architectures whose SGLang decoder layers never read the config's
+    sliding window: a window-aware class listed would be refused needlessly, a blind one missed
+    would be served past its window as whole-context attention, silently."""
+    from picrag_core.model_support import TESTED_ARCHITECTURES, WINDOW_BLIND_ARCHITECTURES
+
+    windowed = {"Gemma2ForCausalLM", "Gemma3ForCausalLM"}
+    for architecture in sorted(TESTED_ARCHITECTURES | WINDOW_BLIND_ARCHITECTURES | windowed):
+        module = importlib.import_module(_decoder_layer_forward(architecture).rsplit(".", 2)[0])
+        reads_window = "sliding_window" in inspect.getsource(module)
+        assert reads_window == (architecture not in WINDOW_BLIND_ARCHITECTURES), architecture
+
+
 def test_cacheblend_is_allowed_exactly_where_its_layer_hook_reaches():
     """picrag_core.model_support.BLEND_ARCHITECTURES (which models may run cacheblend) and
     cacheblend.LAYER_HOOK_TARGETS (which layers shrink the batch) must name the same models: a

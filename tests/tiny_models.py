@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=2,
@@ -24,6 +24,7 @@ class Family:
     config_class: str
     fields: dict[str, Any] = field(default_factory=dict)
     why: str = ""  # what this family adds to the matrix
+    context_length: Optional[int] = None  # served with --context-length (None: the config's)
 
 
 FAMILIES = {
@@ -38,6 +39,15 @@ FAMILIES = {
     "phi3": Family("Phi3Config", {"partial_rotary_factor": 0.5},
                    "Phi-3/4: fused qkv and gate_up, partial rotary (Phi-4-mini's 0.75 kind)"),
     "olmo2": Family("Olmo2Config", {}, "OLMo 2: q/k norm over the whole projection, norms after the blocks"),
+    # A window SGLang's Llama classes do not apply, so served no wider than it (picrag serve
+    # refuses it otherwise), where every family is exact.
+    "mistral-v0.1": Family("MistralConfig", {"sliding_window": 256},
+                           "Mistral v0.1: a sliding window the runtime ignores, served within it", context_length=256),
+    # Sliding-window layers SGLang applies (the prompt is longer than the window): served, its
+    # chunk-reusing families refused with the reason.
+    "gemma3": Family("Gemma3TextConfig", {"sliding_window": 16, "head_dim": 16, "query_pre_attn_scalar": 16,
+                                          "layer_types": ["sliding_attention", "full_attention"]},
+                     "Gemma 3: sliding-window layers, chunk reuse refused"),
     "granite": Family("GraniteConfig", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                                         "attention_multiplier": 0.125, "logits_scaling": 2.0},
                       "Granite: embedding, residual, attention and logit multipliers"),

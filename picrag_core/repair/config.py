@@ -101,7 +101,8 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
         hf = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelFolderError(f"cannot read the model config {path}: {exc}") from exc
-    refusal = chunk_reuse_refusal(ModelTraits.of_config(hf))
+    # A model with sliding windows reuses chunks when served no wider than its narrowest window.
+    refusal = chunk_reuse_refusal(ModelTraits.of_config(hf, ModelTraits.of_config(hf).sliding_window))
     if refusal:
         raise ModelFolderError(f"{path}: CacheRepair repairs reused chunk KV, and this model reuses none: {refusal}")
     return hf

@@ -19,10 +19,12 @@ class ModelUnservable(ValueError):
     """The model cannot be served on this attention backend (the message says why)."""
 
 
-def served_model_traits(model_path: Path, attention_backend: Optional[str]) -> ModelTraits:
-    """The traits of the model folder's config.json, after logging what they refuse; raises
-    ModelUnservable when the backend cannot serve the model at all."""
-    traits = ModelTraits.of_config(json.loads((Path(model_path) / "config.json").read_text()))
+def served_model_traits(model_path: Path, attention_backend: Optional[str],
+                        context_length: Optional[int] = None) -> ModelTraits:
+    """The traits of the model folder's config.json served with `context_length` (None: the
+    config's), after logging what they refuse; raises ModelUnservable when the backend cannot
+    serve the model at all."""
+    traits = ModelTraits.of_config(json.loads((Path(model_path) / "config.json").read_text()), context_length)
     refusal = model_backend_refusal(traits, attention_backend)
     if refusal:
         raise ModelUnservable(f"{model_path}: {refusal}")

@@ -125,12 +125,13 @@ class SelfCheck:
             flushed = await self.client.post("/flush_cache")
             if flushed.status_code != 200:
                 logger.info("self-check: the runtime did not flush its cache (%d)", flushed.status_code)
-            checks.append(await self._checked("reuse_at_offset_0", self._reuse_at_offset_0(tolerance)))
-            if "legolink" in self.unavailable:
-                checks.append(Check("legolink_covering_chunks", SKIPPED,
-                                    f"legolink is unavailable here: {self.unavailable['legolink']}"))
-            else:
-                checks.append(await self._checked("legolink_covering_chunks", self._legolink_covering(tolerance)))
+            # A family the server cannot run (the model or the backend forbids it) has nothing to check.
+            for name, family, check in (("reuse_at_offset_0", "naive", self._reuse_at_offset_0),
+                                        ("legolink_covering_chunks", "legolink", self._legolink_covering)):
+                if family in self.unavailable:
+                    checks.append(Check(name, SKIPPED, f"{family} is unavailable here: {self.unavailable[family]}"))
+                else:
+                    checks.append(await self._checked(name, check(tolerance)))
         return SelfCheckReport(tuple(checks), time.perf_counter() - started)
 
     async def _rope_check(self) -> tuple[Check, str]:
