@@ -1,8 +1,8 @@
 """Two replicas sharing compiled chunks through a Mooncake store: `picrag serve --replicas 2
 --chunk-store mooncake://... --start-mooncake-master`.
 
-The `slow` tests share ONE server (two runtimes of the default model, the gateway and a local
-Mooncake master) and run in file order: the last one stops the master.
+The `slow` tests share ONE server (two runtimes of the default model with small KV pools, the
+gateway and a local Mooncake master) and run in file order: the last one stops the master.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from tests.chunk_requests import assert_same_answer, passages_of
 from tests.conftest import start_picrag_server, stop_picrag_server
 from tests.test_replicas import READY, Replicas, _linked_body, _served
 
+POOL_TOKENS = 4096  # per replica: one long plain prompt evicts every chunk from it
 MASTER_READY = re.compile(r"mooncake master ready at \S+, metadata on port \d+ \(process group (\d+)\)")
 
 
@@ -31,7 +32,7 @@ def replicas(tmp_path_factory, default_model_dir) -> Replicas:
     store = (f"mooncake://127.0.0.1:{rpc}?metadata=http://127.0.0.1:{metadata}/metadata"
              f"&segment=256M&local=127.0.0.1")
     server = start_picrag_server(directory / "server.log",
-                                 ["--replicas", "2", "--max-total-tokens", "8192", "--chunk-store", store,
+                                 ["--replicas", "2", "--max-total-tokens", str(POOL_TOKENS), "--chunk-store", store,
                                   "--start-mooncake-master", "--chunk-store-timeout", "5"])
     ready = sorted(READY.findall(server.log.read_text()))
     started = Replicas(server, [url for _, url, _ in ready], [int(pgid) for _, _, pgid in ready], directory)
@@ -76,6 +77,28 @@ def test_a_passage_set_compiled_on_one_replica_is_loaded_on_the_other_through_mo
     assert _delta(after, other_before, "host_loads") == 0
     assert _delta(after, other_before, "chunk_misses") == 0
     assert _delta(after, other_before, "compile_computed_tokens") == 0
+    assert_same_answer(response.json(), answer)
+
+
+@pytest.mark.slow
+def test_a_chunk_evicted_from_the_pool_is_reloaded_from_host_memory_before_the_store(replicas, layout, musique):
+    prompt = layout.build(musique[18]["question"], passages_of(musique[18], [0, 1, 2]))
+    before = replicas.counters()
+    with replicas.server.client() as client:
+        home, answer = _served(replicas, client, prompt)
+    _wait_for_saves(replicas, home, before[home])
+    with httpx.Client(base_url=replicas.urls[home], timeout=600) as direct:
+        # A plain prompt nearly as long as the pool: SGLang evicts every unlocked node for it,
+        # the stored chunks last (sglang_patches.chunk_cache.ChunksLast), but these too.
+        flood = {"input_ids": list(range(100, 100 + POOL_TOKENS - 200)), "sampling_params": {"max_new_tokens": 1}}
+        assert direct.post("/generate", json=flood).status_code == 200
+        reloaded_before = replicas.counters()[home]
+        response = direct.post("/generate", json=_linked_body(prompt))
+    assert response.status_code == 200, response.text
+    after = replicas.counters()[home]
+    assert _delta(after, reloaded_before, "host_loads") >= len(prompt.chunks)
+    assert _delta(after, reloaded_before, "store_loads") == 0
+    assert _delta(after, reloaded_before, "chunk_misses") == 0
     assert_same_answer(response.json(), answer)
 
 
