@@ -33,21 +33,24 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
     from cache_repair.distractor_pool import POOLS
     from cache_repair.groups import DISTRACTORS, GroupShape
+    from cache_repair.row_groups import RowVariants
 
-    shape = GroupShape()
+    shape, variants = GroupShape(), RowVariants()
     pairs = commands.add_parser(
         "pairs", help="compute training pairs (stale and joint chunk KV) with the real model",
-        description="Prefill groups of NQ training passages alone and jointly, in the serving prompt "
+        description="Prefill groups of training passages alone and jointly, in the serving prompt "
         "layout, and write one shard per group. --layout serving (default): requests as the server "
-        "builds them, [head][8-20 passages][question + tail], each around an NQ question whose gold "
-        "passage is in the group, with the joint prefill's logits over the question; --layout "
-        "passages: 2-6 passages behind the head, no question. Resumable: existing shards are skipped.",
+        "builds them, [head][passages][question + tail], with the joint prefill's logits over the "
+        "question: 8-20 passages around an NQ question whose gold passage is in the group, or a "
+        "multi-hop training row's own passages (--data); --layout passages: 2-6 passages behind the "
+        "head, no question. Resumable: existing shards are skipped.",
     )
     pairs.add_argument("--out", type=Path, required=True, metavar="DIR")
     pairs.add_argument("--model", default=None, metavar="PRESET|PATH", help="default: the default preset")
     pairs.add_argument("--layout", choices=sorted(LAYOUT_DEFAULTS), default="serving")
     pairs.add_argument("--groups", type=_positive_int, default=None,
-                       help="training groups (default: " + _per_layout(0) + ")")
+                       help="training groups (default: " + _per_layout(0) + "; serving with multi-hop "
+                       "--data: every training row's --variants)")
     pairs.add_argument("--val-groups", type=_positive_int, default=None,
                        help="validation groups, on passages never used for training (default: "
                        + _per_layout(1) + ")")
@@ -71,8 +74,22 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        "its dev and test files); default: the data file's passages only")
     pairs.add_argument("--max-disk-gb", type=float, default=DEFAULT_MAX_DISK_GB,
                        help=f"serving: refuse a plan whose pairs need more (default {DEFAULT_MAX_DISK_GB:g})")
-    pairs.add_argument("--data", type=Path, default=None, metavar="FILE.jsonl",
-                       help="training passages in the shared QA format (default: nq_open_oracle.train.jsonl)")
+    pairs.add_argument("--data", action="append", default=None, metavar="FILE.jsonl[:SHARE]",
+                       help="training rows in the shared QA format, repeatable (default: "
+                       "nq_open_oracle.train.jsonl). serving: a file with one passage a question gives NQ-style "
+                       "groups (its gold passage among distractors); any other (the multi-hop *.train.jsonl) "
+                       "gives each row as a group of its own passages. SHARE: the file's fraction of the groups; "
+                       "files without one split the rest in proportion to their questions (times --variants for "
+                       "multi-hop files). Without --groups, multi-hop data gives every training row its "
+                       "--variants groups (the file that runs out first decides). Evaluation files (*.dev.*) "
+                       "are refused")
+    pairs.add_argument("--variants", type=_positive_int, default=variants.variants,
+                       help="serving, multi-hop rows: training groups per row at most: the row as given, then "
+                       f"its passages shuffled (default {variants.variants})")
+    pairs.add_argument("--subset-share", type=float, default=variants.subset_share,
+                       help="serving, multi-hop rows: the share of the shuffled variants that also drop some "
+                       "passages the row does not mark supporting; the supporting ones always stay "
+                       f"(default {variants.subset_share:g})")
     _threads_option(pairs)
     pairs.set_defaults(func=_guarded("pairs", _pairs))
 
@@ -177,24 +194,30 @@ def _guarded(name: str, handler: Handler) -> Handler:
 
 
 def _pairs(args: argparse.Namespace) -> int:
-    from cache_repair.groups import DISTRACTORS, GroupShape
+    from cache_repair.data_mix import DataSpec
+    from cache_repair.groups import GroupShape
     from cache_repair.pairs import DEFAULT_DATA, generate_pairs
+    from cache_repair.row_groups import RowVariants
     from cache_repair.serving_pairs import generate_serving_pairs
     from picrag_core.model_store import resolve_model
 
     groups, val_groups, max_tokens = (
         given or default for given, default in zip((args.groups, args.val_groups, args.max_passage_tokens),
                                                    LAYOUT_DEFAULTS[args.layout]))
-    model_dir, data = resolve_model(args.model), args.data or DEFAULT_DATA
+    model_dir = resolve_model(args.model)
+    data = [DataSpec.parse(text) for text in args.data] if args.data else [DataSpec(DEFAULT_DATA)]
     if args.layout == "passages":
         if args.distractor_pool:
             raise ValueError("--distractor-pool is for --layout serving with --distractors retrieved")
-        generate_pairs(args.out, model_dir, groups, val_groups, args.seed, max_tokens, data)
+        if len(data) > 1 or data[0].share is not None:
+            raise ValueError("--layout passages reads one --data file, without a share")
+        generate_pairs(args.out, model_dir, groups, val_groups, args.seed, max_tokens, data[0].path)
     else:
         shape = GroupShape(min_passages=args.min_passages, max_passages=args.max_passages, max_tokens=max_tokens,
                            reuse=args.passage_reuse, distractors=args.distractors)
-        generate_serving_pairs(args.out, model_dir, groups, val_groups, args.seed, shape, args.max_disk_gb, data,
-                               distractor_pool=args.distractor_pool)
+        variants = RowVariants(variants=args.variants, subset_share=args.subset_share)
+        generate_serving_pairs(args.out, model_dir, args.groups, val_groups, args.seed, shape, args.max_disk_gb, data,
+                               distractor_pool=args.distractor_pool, variants=variants, nq_groups=groups)
     return 0
 
 

@@ -19,7 +19,8 @@ picks them otherwise), in different company and at different offsets, which is a
 chunk store sees them.
 
 Validation groups use their own rows and passages, never seen in training. The plan is plain
-data (row indices and caps), seeded, and written to the pairs manifest before any prefill.
+data (row indices and caps), seeded; `cache_repair.data_mix` names its chunks and writes it into
+the pairs manifest before any prefill.
 """
 
 from __future__ import annotations
@@ -75,17 +76,6 @@ class GroupPlan:
 
     def rows(self, split: str) -> set[int]:
         return {row for group in self.groups[split] for row in group.passages}
-
-    def to_dict(self) -> dict:
-        return {"caps": {str(row): cap for row, cap in sorted(self.caps.items())},
-                "groups": {split: [{"question": g.question, "passages": list(g.passages)} for g in groups]
-                           for split, groups in self.groups.items()}}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> GroupPlan:
-        return cls({int(row): int(cap) for row, cap in data["caps"].items()},
-                   {split: [Group(g["question"], tuple(g["passages"])) for g in groups]
-                    for split, groups in data["groups"].items()})
 
 
 def training_rows(path: Path) -> list[QARow]:

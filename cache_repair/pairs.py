@@ -17,7 +17,8 @@ their own passages, never used in training.
 Serving-shaped pairs (`cache_repair.serving_pairs`) share this shard format and add the
 question: `question_ids` [Q], the joint prefill's `teacher_logits` [Q, vocab] (fp32) at the
 question's positions, and `start` (the prompt position of the first chunk token). Their stale
-KV is stored once per passage (`chunks/<row>.safetensors`) and named in the shard's metadata.
+KV is stored once per distinct passage and cap (`chunks/<key>.safetensors`) and named in the
+shard's metadata.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class Pair:
         if "stale_k" not in t:  # serving-shaped: stale KV lives once per passage
             with safe_open(path, "pt") as f:
                 metadata = f.metadata()
-            chunks = [load_file(path.parents[1] / chunk_name(row)) for row in json.loads(metadata["chunks"])]
+            chunks = [load_file(path.parents[1] / chunk_name(key)) for key in json.loads(metadata["chunks"])]
             t["stale_k"] = torch.cat([c["stale_k"] for c in chunks])
             t["stale_v"] = torch.cat([c["stale_v"] for c in chunks])
             t["start"] = torch.tensor(int(metadata["start"]))
@@ -95,8 +96,10 @@ class Pair:
         return self.token_ids.shape[0]
 
 
-def chunk_name(row: int) -> str:
-    return f"chunks/{row:05d}.safetensors"
+def chunk_name(key: int | str) -> str:
+    """A chunk's stale KV file: named by its identity (`cache_repair.serving_plan.chunk_key`);
+    pairs folders of format 2 named it by its NQ row, and still train."""
+    return f"chunks/{key:05d}.safetensors" if isinstance(key, int) else f"chunks/{key}.safetensors"
 
 
 def save_shard(path: Path, kv: dict[str, torch.Tensor], exact: dict[str, torch.Tensor],

@@ -1,11 +1,14 @@
-"""Serving-shaped training pairs: groups of `cache_repair.groups`, prefilled with the real LLM.
+"""Serving-shaped training pairs: the groups of a plan (`cache_repair.data_mix`: NQ questions
+with distractors, multi-hop rows with their own passages), prefilled with the real LLM.
 
 Per group, the prompt is exactly what the server sends for the group's question and passages
 (`retrieval.prompt_layout.PromptLayout` with the served model's tokenizer and the server's
 default system prompt): `[head][passage 1]...[passage k][question + tail]`.
 
-- stale: each passage prefilled alone at positions 0..n-1, once per passage for the whole plan
-  (`chunks/<row>.safetensors`: stale_k, stale_v fp16, token_ids), as the chunk store holds it;
+- stale: each passage prefilled alone at positions 0..n-1, once per distinct passage and cap for
+  the whole plan however many groups or rows hold it (`chunks/<key>.safetensors`, the key from
+  `cache_repair.serving_plan.chunk_key`: stale_k, stale_v fp16, token_ids), as the chunk store
+  holds it;
 - target: the joint prefill of the whole prompt; its chunk tokens' K/V (fp16) and its logits
   at every question position (fp32, full vocabulary) go into the group's shard
   (`<split>/<index>.safetensors`, the `cache_repair.pairs.Pair` format).
@@ -23,14 +26,15 @@ import logging
 import shutil
 import time
 from dataclasses import asdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from cache_repair.groups import (SPLITS, GroupPlan, GroupShape, distractor_rows, gold_passage_rows, plan_groups,
-                                 retrieval_similarity)
+from cache_repair.data_mix import DataSpec, Source, plan_mix, read_source
+from cache_repair.groups import SPLITS, GroupShape, distractor_rows, retrieval_similarity
 from cache_repair.pairs import (
     DEFAULT_DATA,
     MANIFEST_FILE,
@@ -41,12 +45,15 @@ from cache_repair.pairs import (
     save_shard,
     shard_name,
 )
+from cache_repair.row_groups import RowVariants
+from cache_repair.serving_plan import ServedGroup, ServingPlan
 from picrag_core.model_fingerprint import model_fingerprint
 from picrag_core.repair.network import chunk_ids_for
+from retrieval.qa_rows import QARow
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 2
+FORMAT = 3  # 3: chunks keyed by passage identity, several data files
 LAYOUT = "serving"
 _FP16, _FP32, _INT64 = 2, 4, 8
 
@@ -65,34 +72,40 @@ def chunk_bytes(tokens: int, values_per_token: int) -> int:
 class ServingPairs:
     """The token ids of a plan, and the prefills that turn them into chunk files and shards."""
 
-    def __init__(self, maker: PairMaker, rows: list[QARow], plan: GroupPlan):
+    def __init__(self, maker: PairMaker, rows: list[list[QARow]], plan: ServingPlan):
+        """`rows[d]`: data file d's rows as the plan indexes them."""
         self.maker, self.rows, self.plan = maker, rows, plan
-        self.chunk_ids = {row: maker.passage_ids(rows[row].passages[0], cap) for row, cap in plan.caps.items()}
+        self.chunk_ids = {key: self._passage_ids(key) for key in tqdm(sorted(plan.chunks), desc="tokenizing passages",
+                                                                      unit="passage", leave=False)}
 
-    def question_ids(self, row: int) -> list[int]:
-        return self.maker.layout.question_ids(self.rows[row].question)
+    def _passage_ids(self, key: str) -> list[int]:
+        passage, cap = self.plan.passage(self.rows, key), self.plan.chunks[key].cap
+        return self.maker.layout.passage_ids(passage) if cap is None else self.maker.passage_ids(passage, cap)
+
+    def question_ids(self, group: ServedGroup) -> list[int]:
+        return self.maker.layout.question_ids(self.rows[group.data][group.row].question)
 
     def disk_bytes(self) -> tuple[int, dict[str, list[int]]]:
         """(bytes of every chunk file, bytes of every shard per split)."""
         config, vocab = self.maker.config, self.maker.lm_head.out_features
         values = config.num_layers * config.num_kv_heads * config.head_dim
         chunks = sum(chunk_bytes(len(ids), values) for ids in self.chunk_ids.values())
-        shards = {split: [shard_bytes(sum(len(self.chunk_ids[r]) for r in g.passages),
-                                      len(self.question_ids(g.question)), values, vocab)
+        shards = {split: [shard_bytes(sum(len(self.chunk_ids[key]) for key in g.chunks), len(self.question_ids(g)),
+                                      values, vocab)
                           for g in self.plan.groups[split]] for split in SPLITS}
         return chunks, shards
 
-    def write_chunk(self, out: Path, row: int) -> None:
-        ids = self.chunk_ids[row]
+    def write_chunk(self, out: Path, key: str) -> None:
+        ids = self.chunk_ids[key]
         keys, values, _ = self.maker.prefill(ids, 0, len(ids))
-        save_shard(out / chunk_name(row), {"stale_k": keys, "stale_v": values},
-                   {"token_ids": torch.tensor(ids, dtype=torch.int64)}, {"row": str(row)})
+        save_shard(out / chunk_name(key), {"stale_k": keys, "stale_v": values},
+                   {"token_ids": torch.tensor(ids, dtype=torch.int64)}, {"chunk": key})
 
     def write_group(self, out: Path, split: str, index: int, fingerprint: str) -> int:
         """Prefill the group's whole prompt; returns its chunk tokens."""
         group = self.plan.groups[split][index]
-        head, chunks, question = self.maker.layout.head_ids, [self.chunk_ids[r] for r in group.passages], \
-            self.question_ids(group.question)
+        head, chunks, question = self.maker.layout.head_ids, [self.chunk_ids[key] for key in group.chunks], \
+            self.question_ids(group)
         flat = [t for ids in chunks for t in ids]
         start, end = len(head), len(head) + len(flat)
         keys, values, logits = self.maker.prefill(head + flat + question, start, end, logits_from=end)
@@ -102,55 +115,71 @@ class ServingPairs:
             "question_ids": torch.tensor(question, dtype=torch.int64),
             "teacher_logits": logits,
         }
-        metadata = {"split": split, "group": str(index), "chunks": json.dumps(list(group.passages)),
-                    "question_row": str(group.question), "start": str(start), "model_fingerprint": fingerprint}
+        metadata = {"split": split, "group": str(index), "chunks": json.dumps(list(group.chunks)),
+                    "data": str(group.data), "question_row": str(group.row), "start": str(start),
+                    "model_fingerprint": fingerprint}
         save_shard(out / shard_name(split, index), {"target_k": keys, "target_v": values}, exact, metadata)
         return len(flat)
 
 
+def read_sources(data: Sequence[DataSpec], shape: GroupShape, distractor_pool: str | None) -> list[Source]:
+    """The data files' rows; a distractor pool's passages follow every NQ-like file's questions."""
+    sources = [read_source(spec) for spec in data]
+    if distractor_pool is None:
+        return sources
+    if shape.distractors != "retrieved":
+        raise PairsError("a distractor pool is for retrieved distractors (--distractors retrieved)")
+    if all(source.multi_hop for source in sources):
+        raise PairsError("a distractor pool is for NQ-like data (one passage a question): multi-hop rows "
+                         "bring their own passages")
+    from cache_repair.distractor_pool import describe, read_pool
+
+    pool = distractor_rows(read_pool(distractor_pool))
+    logger.info("pairs: distractors also retrieved from %d passages (%s)", len(pool), describe(distractor_pool))
+    for source in sources:
+        if not source.multi_hop:
+            source.rows += pool
+    return sources
+
+
 def generate_serving_pairs(
-    out: Path, model_dir: Path, groups: int, val_groups: int, seed: int, shape: GroupShape,
-    max_disk_gb: float, data: Path = DEFAULT_DATA, maker: PairMaker | None = None,
-    distractor_pool: str | None = None,
+    out: Path, model_dir: Path, groups: int | None, val_groups: int, seed: int, shape: GroupShape,
+    max_disk_gb: float, data: Sequence[DataSpec] = (DataSpec(DEFAULT_DATA),), maker: PairMaker | None = None,
+    distractor_pool: str | None = None, variants: RowVariants = RowVariants(), nq_groups: int = 150,
 ) -> dict[str, Any]:
     """Write (or finish writing) the pairs of a plan into `out`; returns the manifest.
-    `maker`: an already loaded PairMaker for `model_dir` (one is loaded otherwise).
-    `distractor_pool`: more passages to retrieve distractors from (`cache_repair.distractor_pool`)."""
+    `groups`: training groups, None for `cache_repair.data_mix`'s default (`nq_groups` when every
+    file is NQ-like). `maker`: an already loaded PairMaker for `model_dir` (one is loaded otherwise).
+    `distractor_pool`: more passages to retrieve NQ distractors from (`cache_repair.distractor_pool`)."""
     out = Path(out)
-    rows = gold_passage_rows(data)
-    questions = len(rows)
-    if distractor_pool is not None:
-        if shape.distractors != "retrieved":
-            raise PairsError("a distractor pool is for retrieved distractors (--distractors retrieved)")
-        from cache_repair.distractor_pool import describe, read_pool
-
-        rows += distractor_rows(read_pool(distractor_pool))
-        logger.info("pairs: %d questions, distractors retrieved from %d passages (%s)", questions, len(rows),
-                    describe(distractor_pool))
+    sources = read_sources(data, shape, distractor_pool)
     similarity = None
     if shape.distractors == "retrieved":
         from retrieval.embedder import Embedder
 
-        similarity = retrieval_similarity(rows, Embedder(), questions)
-    plan = plan_groups(len(rows), groups, val_groups, shape, seed, similarity, questions)
+        embedder = Embedder()
+        similarity = {d: retrieval_similarity(source.rows, embedder, source.questions)
+                      for d, source in enumerate(sources) if not source.multi_hop}
+    plan = plan_mix(sources, groups, val_groups, shape, variants, seed, nq_groups, similarity)
+    counts = {split: len(plan.groups[split]) for split in SPLITS}
     fingerprint = model_fingerprint(model_dir, torch.float32)
-    # The data file by name: the same run resumed from another checkout must match. "groups"
-    # holds one entry per group and split, as in every pairs manifest (`shard_paths`).
-    settings = {"format": FORMAT, "layout": LAYOUT, "model_fingerprint": fingerprint, "data": Path(data).name,
-                "seed": seed, "shape": asdict(shape), **plan.to_dict()}
-    if distractor_pool is not None:  # absent otherwise, so pairs made before the option still resume
+    # "groups" holds one entry per group and split, as in every pairs manifest (`shard_paths`).
+    settings = {"format": FORMAT, "layout": LAYOUT, "model_fingerprint": fingerprint,
+                "data": [spec.to_dict() for spec in data], "seed": seed, "shape": asdict(shape),
+                "variants": asdict(variants), **plan.to_dict()}
+    if distractor_pool is not None:
         settings["distractor_pool"] = distractor_pool
     manifest_path = out / MANIFEST_FILE
     check_resumable(out, settings)
 
     maker = maker or PairMaker(model_dir)
-    pairs = ServingPairs(maker, rows, plan)
+    pairs = ServingPairs(maker, [source.rows for source in sources], plan)
     chunk_total, shard_sizes = pairs.disk_bytes()
     total = chunk_total + sum(sum(sizes) for sizes in shard_sizes.values())
-    per_group = total / (groups + val_groups)
-    logger.info("pairs: %d train + %d val groups of %d-%d passages, %d distinct passages: %.1f MB per group, "
-                "%.2f GB in all (%.2f GB of passage KV)", groups, val_groups, shape.min_passages,
-                shape.max_passages, len(plan.caps), per_group / 1e6, total / 1e9, chunk_total / 1e9)
+    sizes = [len(g.chunks) for split in SPLITS for g in plan.groups[split]]
+    logger.info("pairs: %d train + %d val groups of %d-%d passages, %d distinct chunks: %.1f MB per group, "
+                "%.2f GB in all (%.2f GB of passage KV)", counts["train"], counts["val"], min(sizes), max(sizes),
+                len(plan.chunks), total / len(sizes) / 1e6, total / 1e9, chunk_total / 1e9)
     if total > max_disk_gb * 1e9:
         raise PairsError(f"these pairs need {total / 1e9:.1f} GB, above --max-disk-gb {max_disk_gb:g}: "
                          "use fewer --groups or shorter passages")
@@ -166,17 +195,17 @@ def generate_serving_pairs(
     manifest_path.write_text(json.dumps(manifest) + "\n")
 
     # Validation first: a partial run can already be evaluated against.
-    todo = [(split, i) for split in ("val", "train") for i in range(len(plan.groups[split]))
+    todo = [(split, i) for split in ("val", "train") for i in range(counts[split])
             if not (out / shard_name(split, i)).is_file()]
-    logger.info("pairs: %d of %d groups to compute into %s", len(todo), groups + val_groups, out)
+    logger.info("pairs: %d of %d groups to compute into %s", len(todo), len(sizes), out)
     started = time.monotonic()
     with tqdm(todo, desc="picrag repair pairs", unit="group") as bar:
         for split, i in bar:
-            for row in plan.groups[split][i].passages:
-                if not (out / chunk_name(row)).is_file():
-                    pairs.write_chunk(out, row)
+            for key in plan.groups[split][i].chunks:
+                if not (out / chunk_name(key)).is_file():
+                    pairs.write_chunk(out, key)
             tokens = pairs.write_group(out, split, i, fingerprint)
             bar.set_postfix(split=split, tokens=tokens)
-    logger.info("pairs: %s complete (%d train, %d val groups) in %.0f s", out, groups, val_groups,
+    logger.info("pairs: %s complete (%d train, %d val groups) in %.0f s", out, counts["train"], counts["val"],
                 time.monotonic() - started)
     return manifest

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from cache_repair.answer_loss import FrozenReader, answer_kl
+from cache_repair.data_mix import DataSpec
 from cache_repair.distractor_pool import read_pool
 from cache_repair.groups import GroupsError, GroupShape, gold_passage_rows, plan_groups
 from cache_repair.cli import register
@@ -70,7 +71,7 @@ def maker(tiny_model_dir):
 def serving_pairs(maker, tiny_model_dir, nq_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("pairs") / "serving"
     manifest = generate_serving_pairs(out, tiny_model_dir, groups=3, val_groups=2, seed=5, shape=SHAPE,
-                                      max_disk_gb=1.0, data=nq_file, maker=maker)
+                                      max_disk_gb=1.0, data=[DataSpec(nq_file)], maker=maker)
     return out, manifest
 
 
@@ -105,8 +106,8 @@ def test_plan_counts_questions_and_disjoint_splits(rows, shared_qa):
     sizes = {len(g.passages) for g in plan.groups["train"]}
     assert sizes == set(range(shape.min_passages, shape.max_passages + 1))
     # Seeded: the same plan again, another with another seed.
-    assert plan_groups(len(rows), 150, 32, shape, seed=0).to_dict() == plan.to_dict()
-    assert plan_groups(len(rows), 150, 32, shape, seed=1).to_dict() != plan.to_dict()
+    assert plan_groups(len(rows), 150, 32, shape, seed=0) == plan
+    assert plan_groups(len(rows), 150, 32, shape, seed=1) != plan
     # Never a development passage.
     used = plan.rows("train") | plan.rows("val")
     assert not {rows[r].passages[0].text.strip() for r in used} & dev_passage_texts(shared_qa)
@@ -128,7 +129,7 @@ def test_retrieved_distractors_are_the_passages_most_similar_to_the_question():
             assert min(similarity[group.question, others]) >= max(
                 (similarity[group.question, r] for r in pool - set(group.passages)), default=-1)
     assert set(plan.caps) == plan.rows("train") | plan.rows("val")  # only passages used get a cap
-    assert plan_groups(rows, 8, 2, shape, 3, similarity).to_dict() == plan.to_dict()
+    assert plan_groups(rows, 8, 2, shape, 3, similarity) == plan
     with pytest.raises(GroupsError, match="similarity"):
         plan_groups(rows, 8, 2, shape, 3)
     with pytest.raises(GroupsError, match="distractors"):
@@ -205,15 +206,16 @@ def test_shards_hold_the_served_prompt_and_its_joint_prefill(serving_pairs, make
         assert len(paths) == count
         for path, group in zip(paths, manifest["groups"][split]):
             pair = Pair.load(path)
-            chunks = [maker.passage_ids(rows[r].passages[0], manifest["caps"][str(r)]) for r in group["passages"]]
+            sources = [manifest["chunks"][key] for key in group["chunks"]]  # [data, row, passage, cap]
+            chunks = [maker.passage_ids(rows[row].passages[p], cap) for _, row, p, cap in sources]
             assert pair.token_ids.tolist() == [t for ids in chunks for t in ids]
             assert pair.chunk_ids.tolist() == [i for i, ids in enumerate(chunks) for _ in ids]
-            question = rows[group["question"]].question
+            question = rows[group["row"]].question
             assert pair.question_ids.tolist() == layout.question_ids(question)
             assert pair.start == len(layout.head_ids)
             prompt = layout.head_ids + pair.token_ids.tolist() + pair.question_ids.tolist()
             # Uncut, the same pieces make exactly the prompt the server builds for this request.
-            passages = [rows[r].passages[0] for r in group["passages"]]
+            passages = [rows[row].passages[p] for _, row, p, _ in sources]
             uncut = [t for p in passages for t in maker.passage_ids(p, 10**6)]
             assert layout.build(question, passages).input_ids == layout.head_ids + uncut + pair.question_ids.tolist()
             # Every chunk ends with the passage separator: cut passages stay whole documents.
@@ -238,15 +240,15 @@ def test_pair_generation_resumes_and_refuses_other_settings(serving_pairs, maker
                                                             monkeypatch):
     out, manifest = serving_pairs
     shard = out / "train" / "00001.safetensors"
-    row = manifest["groups"]["train"][1]["passages"][0]
+    key = manifest["groups"]["train"][1]["chunks"][0]
     before = Pair.load(shard)
     shard.unlink()
-    (out / chunk_name(row)).unlink()
+    (out / chunk_name(key)).unlink()
     prefills = []
     original = maker.prefill
     monkeypatch.setattr(maker, "prefill", lambda ids, *a, **k: prefills.append(len(ids)) or original(ids, *a, **k))
     generate_serving_pairs(out, tiny_model_dir, groups=3, val_groups=2, seed=5, shape=SHAPE, max_disk_gb=1.0,
-                           data=nq_file, maker=maker)
+                           data=[DataSpec(nq_file)], maker=maker)
     # One chunk and one group prefilled again, nothing else; the same bytes as before.
     assert len(prefills) == 2
     after = Pair.load(shard)
@@ -254,10 +256,10 @@ def test_pair_generation_resumes_and_refuses_other_settings(serving_pairs, maker
         assert torch.equal(getattr(after, name), getattr(before, name)), name
     with pytest.raises(PairsError, match="seed"):
         generate_serving_pairs(out, tiny_model_dir, groups=3, val_groups=2, seed=6, shape=SHAPE, max_disk_gb=1.0,
-                               data=nq_file, maker=maker)
+                               data=[DataSpec(nq_file)], maker=maker)
     with pytest.raises(PairsError, match="max-disk-gb"):
         generate_serving_pairs(out.parent / "capped", tiny_model_dir, groups=3, val_groups=2, seed=5, shape=SHAPE,
-                               max_disk_gb=0.001, data=nq_file, maker=maker)
+                               max_disk_gb=0.001, data=[DataSpec(nq_file)], maker=maker)
     assert not (out.parent / "capped").exists()
 
 
@@ -290,7 +292,7 @@ def test_reader_on_the_joint_kv_reproduces_the_teacher(serving_pairs, maker, row
     # A random tiny model spreads its logits thinly, so naive's KL is small, but far from 0.
     assert not torch.allclose(naive, logits, atol=1e-3)
     assert float(answer_kl(naive, pair.teacher_logits, 0)) > 1e-5
-    assert group["question"] in group["passages"]
+    assert group["row"] in {manifest["chunks"][key][1] for key in group["chunks"]}  # its gold passage
 
 
 def test_kl_gradient_reaches_the_network_and_not_the_llm(serving_pairs, tiny_model_dir):
@@ -379,7 +381,7 @@ def test_training_pools_the_training_splits_of_several_pairs_folders(serving_pai
     out, _ = serving_pairs
     other = tmp_path / "other-seed"
     generate_serving_pairs(other, tiny_model_dir, groups=2, val_groups=1, seed=9, shape=SHAPE,
-                           max_disk_gb=1.0, data=nq_file, maker=maker)
+                           max_disk_gb=1.0, data=[DataSpec(nq_file)], maker=maker)
     assert pooled_train_paths(out, (other,)) == shard_paths(out, "train") + shard_paths(other, "train")
     checkpoint = tmp_path / "checkpoint"
     args = ("repair", "train", "--pairs", out, other, "--out", checkpoint, "--model", tiny_model_dir,
