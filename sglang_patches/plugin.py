@@ -58,7 +58,7 @@ def _disk_store(ctx, kv_pool):
     if isinstance(spec, MooncakeSpec):
         timeout_s = float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
         store = HiCacheChunkStore(lambda: mooncake_backend(spec, ranks), fingerprint, partition,
-                                  timeout_s=timeout_s, name=spec.url)
+                                  timeout_s=timeout_s, name=f"mooncake://{spec.master}")
         logger.info("picrag chunk store on Mooncake: %s (%s, timeout %g s per call)", spec.url,
                     "connected" if store.connected else "connecting", timeout_s)
         return store
