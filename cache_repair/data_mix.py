@@ -5,9 +5,10 @@ gold passage with other rows' passages as distractors (`cache_repair.groups`); a
 multi-hop, and each of its rows is a group of its own passages (`cache_repair.row_groups`).
 
 `FILE:SHARE` gives the file that fraction of the training and of the validation groups; files
-without a share split what the others leave in proportion to their questions (a multi-hop
-file's times its variants per row). Without a group count, a plan with multi-hop files uses every
-training row of the file that runs out first.
+without a share split what the others leave in proportion to their rows (validation) and to the
+groups their training rows can give (training: a multi-hop file's rows times its variants per
+row, an NQ file's questions). Without a group count, a plan with multi-hop files gives every
+training row all its variants, or as many as the file whose rows run out first allows.
 """
 
 from __future__ import annotations
@@ -65,17 +66,17 @@ def read_source(spec: DataSpec) -> Source:
     return Source(spec, rows, len(rows), multi_hop=True)
 
 
-def fractions(sources: list[Source], variants: RowVariants) -> list[float]:
-    """Each file's fraction of the groups (module docstring)."""
+def fractions(sources: list[Source], sizes: list[int]) -> list[float]:
+    """Each file's fraction of the groups: its share, or its part of what the shares leave in
+    proportion to `sizes` (the groups its rows can give)."""
     given = [source.spec.share for source in sources]
     fixed = sum(share for share in given if share is not None)
     free = [i for i, share in enumerate(given) if share is None]
     if (free and fixed >= 1.0) or (not free and not math.isclose(fixed, 1.0)) or fixed > 1.0 + 1e-9:
         raise GroupsError(f"--data shares sum to {fixed:g}: they must sum to 1, or to less with a file "
                           "that has no share")
-    sizes = {i: sources[i].questions * (variants.variants if sources[i].multi_hop else 1) for i in free}
-    return [share if share is not None else (1.0 - fixed) * sizes[i] / sum(sizes.values())
-            for i, share in enumerate(given)]
+    rest = sum(sizes[i] for i in free)
+    return [share if share is not None else (1.0 - fixed) * sizes[i] / rest for i, share in enumerate(given)]
 
 
 def allocate(total: int, weights: list[float]) -> list[int]:
@@ -94,14 +95,15 @@ def plan_mix(sources: list[Source], groups: int | None, val_groups: int, shape: 
     """The plan over every source. `groups`: training groups (None: see the module docstring;
     `nq_groups` when every file is NQ-like). `similarity[d]`: source d's question-passage
     similarity, for NQ-like sources with retrieved distractors."""
-    weights = fractions(sources, variants)
-    val_counts = allocate(val_groups, weights)
+    val_counts = allocate(val_groups, fractions(sources, [source.questions for source in sources]))
     rng = random.Random(seed)
     multi_hop = [d for d, source in enumerate(sources) if source.multi_hop]
     held = {d: held_out_rows(sources[d].rows, val_counts[d], rng) for d in multi_hop}
     held_texts = {p.text for d in multi_hop for r in held[d] for p in sources[d].rows[r].passages}
     # Validation rows hold their own passages, so they are never candidates.
     candidates = {d: training_candidates(sources[d].rows, held_texts) for d in multi_hop}
+    weights = fractions(sources, [len(candidates[d]) * variants.variants if d in candidates else source.questions
+                                  for d, source in enumerate(sources)])
     if groups is None:
         # The epsilon keeps a file's whole capacity whole through the float division.
         groups = min((math.floor(len(candidates[d]) * variants.variants / weights[d] + 1e-6) for d in multi_hop),

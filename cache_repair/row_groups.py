@@ -18,6 +18,7 @@ import random
 from dataclasses import dataclass
 
 from cache_repair.groups import GroupsError
+from retrieval.prompt_layout import PromptPassage
 from retrieval.qa_rows import QARow
 
 
@@ -70,19 +71,21 @@ def plan_row_groups(rows: list[QARow], candidates: list[int], count: int, shape:
         raise GroupsError(f"{len(candidates)} training rows give at most {len(candidates) * shape.variants} "
                              f"groups with {shape.variants} variants each, not {count}")
     order = rng.sample(candidates, len(candidates))
-    seen: dict[int, list[tuple[int, ...]]] = {}
+    seen: dict[int, list[tuple[PromptPassage, ...]]] = {}
     groups = []
     for j in range(count):
         row = order[j % len(order)]
         orders = seen.setdefault(row, [])
         passages = _variant(rows[row], len(orders), orders, shape, rng)
-        orders.append(passages)
+        orders.append(tuple(rows[row].passages[i] for i in passages))
         groups.append(RowGroup(row, passages))
     return groups
 
 
-def _variant(row: QARow, index: int, earlier: list[tuple[int, ...]], shape: RowVariants,
+def _variant(row: QARow, index: int, earlier: list[tuple[PromptPassage, ...]], shape: RowVariants,
              rng: random.Random) -> tuple[int, ...]:
+    """The passages of the row's variant `index`; `earlier`: the prompts of its earlier variants,
+    compared by passage (a 2WikiMultihopQA row may hold one passage twice)."""
     everything = tuple(range(len(row.passages)))
     if index == 0:
         return everything
@@ -97,6 +100,6 @@ def _variant(row: QARow, index: int, earlier: list[tuple[int, ...]], shape: RowV
     # A few redraws find an order no earlier variant had (a row of 3+ passages has one).
     for _ in range(100):
         rng.shuffle(chosen)
-        if tuple(chosen) not in earlier:
+        if tuple(row.passages[i] for i in chosen) not in earlier:
             break
     return tuple(chosen)
