@@ -182,7 +182,8 @@ def generate_serving_pairs(
                 len(plan.chunks), total / len(sizes) / 1e6, total / 1e9, chunk_total / 1e9)
     if total > max_disk_gb * 1e9:
         raise PairsError(f"these pairs need {total / 1e9:.1f} GB, above --max-disk-gb {max_disk_gb:g}: "
-                         "use fewer --groups or shorter passages")
+                         "use fewer --groups (or --variants, or NQ's --max-passage-tokens), or a larger "
+                         "--max-disk-gb where the disk has room")
     out.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out).free
     if total > 0.95 * free:
