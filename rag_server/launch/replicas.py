@@ -7,9 +7,10 @@ front of them; the frontend talks to the gateway. `--worker-url` puts the gatewa
 engines started elsewhere (`picrag serve --engines-only` on each GPU node), and `--runtime-url`
 points the frontend at a gateway or engine that is already running.
 
-The replicas share the disk tier when `--chunk-store` names one folder (on one machine a local
-folder, across machines a shared filesystem): a chunk compiled on one replica is loaded, not
-recomputed, on another. A replica that dies is left to the gateway, which routes around it; the
+The replicas share the chunk store `--chunk-store` names (a folder: on one machine a local one,
+across machines a shared filesystem; or a Mooncake store, whose master `--start-mooncake-master`
+starts on this machine: rag_server/launch/mooncake_master.py): a chunk compiled on one replica is
+loaded, not recomputed, on another. A replica that dies is left to the gateway, which routes around it; the
 server ends (for a supervisor to restart it) only when the gateway or every replica is gone.
 """
 
