@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -105,7 +106,7 @@ class HiCacheChunkStore:
             except Exception as exc:  # the store is down or misconfigured: retry, the engine serves meanwhile
                 logger.warning("chunk store %s: cannot connect (%s: %s); retrying in %.0f s",
                                self.name, type(exc).__name__, exc, reconnect_s)
-                threading.Event().wait(reconnect_s)
+                time.sleep(reconnect_s)
                 continue
             self._staging = {"reads": _Staging(backend), "writes": _Staging(backend)}
             self._backend = backend

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
 
@@ -29,7 +29,6 @@ class TimedLane:
         self.name = name
         self.timeout_s = timeout_s
         self.answers = answers
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"picrag-store-{name}")
         self._lock = threading.Lock()
         self._in_flight: Future | None = None
 
@@ -37,7 +36,10 @@ class TimedLane:
         with self._lock:
             if self._in_flight is not None and not self._in_flight.done():
                 raise StoreUnavailable(f"chunk store {self.name}: an earlier call has not returned")
-            self._in_flight = future = self._executor.submit(fn)
+            self._in_flight = future = Future()
+        # A daemon thread per call (one at a time): a call stuck in the client library never
+        # holds up the process's exit.
+        threading.Thread(target=_run, args=(fn, future), name=f"picrag-store-{self.name}", daemon=True).start()
         try:
             return future.result(timeout=self.timeout_s)
         except FutureTimeout:
@@ -46,3 +48,10 @@ class TimedLane:
             raise
         except Exception as exc:  # whatever the client library raises, the chunk is only a miss
             raise StoreUnavailable(f"chunk store {self.name}: {type(exc).__name__}: {exc}") from exc
+
+
+def _run(fn: Callable[[], T], future: Future) -> None:
+    try:
+        future.set_result(fn())
+    except BaseException as exc:  # handed to the caller, who decides what it means
+        future.set_exception(exc)
