@@ -28,7 +28,7 @@ from sglang_patches.disk_chunk_store import DiskChunkStore
 from sglang_patches.hicache_chunk_store import HiCacheChunkStore, mooncake_backend
 from sglang_patches.host_chunk_tier import HostChunkTier
 from sglang_patches.store_calls import StoreUnavailable, TimedLane
-from tests.test_disk_tier_faults import TOKENS, Pool, kv
+from tests.test_disk_tier_faults import TOKENS, Pool, cache_with, kv, save_chunk
 
 IDENTITY = ChunkIdentity("fp-a", "tp0of1", chunk_key(TOKENS))
 LAYOUT = KVLayout.of_pool(Pool())
@@ -184,6 +184,38 @@ def test_a_store_that_is_not_up_yet_is_a_counted_miss_until_it_connects():
     assert store._connected.wait(30)
     assert ChunkRadixCache._load_from_disk(cache, TOKENS) is None
     assert cache.counters.values == {"store_failures": 1, "disk_misses": 1}
+
+
+class RefusingBackend:
+    """A store that is full (every set refused) and, while `stuck` is clear, hangs on lookups."""
+
+    def __init__(self):
+        self.stuck = threading.Event()
+
+    def register_buffer(self, tensor):
+        pass
+
+    def exists(self, key):
+        self.stuck.wait()
+        return False
+
+    def set(self, key, target_location=None, target_sizes=None):
+        return False
+
+
+def test_a_full_or_hanging_store_costs_counted_misses_not_errors():
+    backend = RefusingBackend()
+    backend.stuck.set()
+    store = HiCacheChunkStore(lambda: backend, "fp-a", "tp0of1", timeout_s=0.2)
+    cache = cache_with(store, Pool())
+    save_chunk(cache)  # full: refused, counted, dropped
+    store.wait_for_writes()
+    assert cache.counters.values == {"disk_write_failures": 1}
+    backend.stuck.clear()  # hangs now: one timeout, then refused at once while the call is stuck
+    assert ChunkRadixCache._load_from_disk(cache, TOKENS) is None
+    assert ChunkRadixCache._load_from_disk(cache, TOKENS) is None
+    assert cache.counters.values == {"disk_write_failures": 1, "store_failures": 2}
+    backend.stuck.set()
 
 
 # ---- Mooncake through SGLang's MooncakeStore -----------------------------------------------------
