@@ -35,7 +35,6 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as serialize_tensors
 
 from picrag_core.chunk_key import chunk_key
-from sglang_patches.chunk_store_spec import MAX_BYTES_ENV, STORE_DIR_ENV  # noqa: F401 (this store's settings)
 from sglang_patches.chunk_codec import CorruptChunkFile, KVLayout, check_layout, tensor_digest
 from sglang_patches.chunk_store_writer import ChunkStoreWriter
 

@@ -24,7 +24,6 @@ from sglang_patches.chunk_codec import (
     HEADER_BYTES, ChunkIdentity, CorruptChunkFile, KVLayout, decode_frame, encode_frame, frame_bytes,
 )
 from sglang_patches.chunk_store_spec import MooncakeSpec, parse_chunk_store
-from sglang_patches.disk_chunk_store import DiskChunkStore
 from sglang_patches.hicache_chunk_store import HiCacheChunkStore, mooncake_backend
 from sglang_patches.host_chunk_tier import HostChunkTier
 from sglang_patches.store_calls import StoreUnavailable, TimedLane

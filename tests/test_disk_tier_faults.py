@@ -24,7 +24,8 @@ from rag_server.bench.load import flush_when_idle
 from sglang_patches import disk_chunk_store, plugin
 from sglang_patches.chunk_cache import CacheCounters, ChunkRadixCache
 from picrag_core.chunk_key import chunk_key
-from sglang_patches.disk_chunk_store import MAX_BYTES_ENV, STORE_DIR_ENV, DiskChunkStore
+from sglang_patches.chunk_store_spec import MAX_BYTES_ENV, STORE_DIR_ENV
+from sglang_patches.disk_chunk_store import DiskChunkStore
 from tests.chunk_requests import generate, logprobs_of, passages_of, wait_for_counter
 from tests.conftest import start_picrag_server, stop_picrag_server
 
