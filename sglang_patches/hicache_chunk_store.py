@@ -12,7 +12,8 @@ MooncakeStore's `set`/`get` are zero copy from and into buffers registered with 
 (`register_buffer`), one per direction, grown when a longer chunk comes.
 
 Failure is a miss. Every store call runs on a `TimedLane` (sglang_patches.store_calls) with a
-timeout; a down, slow or full store raises StoreUnavailable, which the chunk cache counts
+timeout (and a store past its timeout is skipped for BACKOFF_S); a down, slow or full store
+raises StoreUnavailable, which the chunk cache counts
 (``store_failures``) before computing the chunk, and a failed save is a counted write failure.
 The engine connects in the background: it waits CONNECT_WAIT_S for the store at start, then
 serves without it (every lookup a counted failure) and keeps retrying every RECONNECT_S.
@@ -38,6 +39,7 @@ from sglang_patches.store_calls import StoreUnavailable, TimedLane
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 2.0  # per store call: a chunk store that answers slower than this is no faster than recompute
+BACKOFF_S = 30.0  # after a call past its timeout, the store is skipped (counted misses) this long
 CONNECT_WAIT_S = 60.0
 RECONNECT_S = 5.0
 MIN_STAGING_BYTES = 16 << 20
@@ -81,14 +83,14 @@ class _Staging:
 class HiCacheChunkStore:
     def __init__(self, connect: Callable[[], Any], fingerprint: str, partition: str,
                  timeout_s: float = DEFAULT_TIMEOUT_S, connect_wait_s: float = CONNECT_WAIT_S,
-                 reconnect_s: float = RECONNECT_S, name: str = "store"):
+                 reconnect_s: float = RECONNECT_S, backoff_s: float = BACKOFF_S, name: str = "store"):
         """`connect` builds the HiCacheStorage backend (it may block or raise while the store is
         down: it is retried off the caller's thread)."""
         self.fingerprint = fingerprint
         self.partition = partition
         self.name = name
-        self._reads = TimedLane(f"{name}-reads", timeout_s, answers=(CorruptChunkFile,))
-        self._writes = TimedLane(f"{name}-writes", timeout_s)
+        self._reads = TimedLane(f"{name}-reads", timeout_s, answers=(CorruptChunkFile,), backoff_s=backoff_s)
+        self._writes = TimedLane(f"{name}-writes", timeout_s, backoff_s=backoff_s)
         self._backend: Any = None
         self._staging: dict[str, _Staging] = {}
         self._connected = threading.Event()

@@ -4,7 +4,9 @@ A `TimedLane` runs one call at a time on a thread of its own and waits for it at
 `timeout_s`. A call that does not answer in time is left running (a client library call cannot
 be interrupted) and the lane refuses every call until it returns, so a dead or slow store costs
 each caller at most one timeout, never a pile of stuck threads, and a buffer the stuck call
-writes into is never handed to another one. Every refusal, timeout and error raises
+writes into is never handed to another one. After a timeout the lane also refuses every call
+for `backoff_s` (a store that answers, but slower than the timeout, would otherwise cost a
+timeout per call it returns from). Every refusal, timeout and error raises
 StoreUnavailable (the caller counts it and computes the chunk), except the exceptions the lane
 is told are answers (a value the store returned that failed its checks).
 """
@@ -12,6 +14,7 @@ is told are answers (a value the store returned that failed its checks).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -25,17 +28,22 @@ class StoreUnavailable(RuntimeError):
 
 
 class TimedLane:
-    def __init__(self, name: str, timeout_s: float, answers: tuple[type[Exception], ...] = ()):
+    def __init__(self, name: str, timeout_s: float, answers: tuple[type[Exception], ...] = (),
+                 backoff_s: float = 0.0):
         self.name = name
         self.timeout_s = timeout_s
         self.answers = answers
+        self.backoff_s = backoff_s
         self._lock = threading.Lock()
         self._in_flight: Future | None = None
+        self._skip_until = 0.0  # time.monotonic() before which calls are refused (after a timeout)
 
     def call(self, fn: Callable[[], T]) -> T:
         with self._lock:
             if self._in_flight is not None and not self._in_flight.done():
                 raise StoreUnavailable(f"chunk store {self.name}: an earlier call has not returned")
+            if time.monotonic() < self._skip_until:
+                raise StoreUnavailable(f"chunk store {self.name}: skipped for {self.backoff_s:g} s after a timeout")
             self._in_flight = future = Future()
         # A daemon thread per call (one at a time): a call stuck in the client library never
         # holds up the process's exit.
@@ -43,6 +51,8 @@ class TimedLane:
         try:
             return future.result(timeout=self.timeout_s)
         except FutureTimeout:
+            with self._lock:
+                self._skip_until = time.monotonic() + self.backoff_s
             raise StoreUnavailable(f"chunk store {self.name}: no answer in {self.timeout_s:g} s") from None
         except (StoreUnavailable, *self.answers):
             raise

@@ -128,7 +128,7 @@ def test_the_host_tier_serves_from_ram_before_the_store_and_keeps_its_bound():
 
 
 def test_a_stuck_store_call_costs_one_timeout_then_refusals_until_it_returns():
-    lane = TimedLane("test", timeout_s=0.2)
+    lane = TimedLane("test", timeout_s=0.2)  # no back-off: calls are taken again once it returns
     release, entered = threading.Event(), threading.Event()
 
     def stuck():
@@ -151,6 +151,18 @@ def test_a_stuck_store_call_costs_one_timeout_then_refusals_until_it_returns():
             done.wait(0.05)
     with pytest.raises(StoreUnavailable, match="OSError: disk"):
         lane.call(lambda: (_ for _ in ()).throw(OSError("disk")))
+
+
+def test_after_a_timeout_the_store_is_skipped_for_the_back_off():
+    lane = TimedLane("test", timeout_s=0.1, backoff_s=3600)
+    release = threading.Event()
+    with pytest.raises(StoreUnavailable, match="no answer"):
+        lane.call(release.wait)
+    release.set()
+    lane._in_flight.result()  # the slow call has returned...
+    with pytest.raises(StoreUnavailable, match="skipped for 3600 s"):
+        lane.call(lambda: "next")  # ...and the store is still skipped
+    assert TimedLane("other", timeout_s=0.1, backoff_s=3600).call(lambda: "answered") == "answered"
 
 
 def test_a_store_that_is_not_up_yet_is_a_counted_miss_until_it_connects():
