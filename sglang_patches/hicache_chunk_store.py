@@ -12,9 +12,9 @@ MooncakeStore's `set`/`get` are zero copy from and into buffers registered with 
 (`register_buffer`), one per direction, grown when a longer chunk comes.
 
 Failure is a miss. Every store call runs on a `TimedLane` (sglang_patches.store_calls) with a
-timeout (and a store past its timeout is skipped for BACKOFF_S); a down, slow or full store
-raises StoreUnavailable, which the chunk cache counts
-(``store_failures``) before computing the chunk, and a failed save is a counted write failure.
+timeout, and a store past its timeout is skipped for BACKOFF_S; a down, slow or full store
+raises StoreUnavailable, which the chunk cache counts (``store_failures``) before computing the
+chunk, and a failed save is a counted write failure.
 The engine connects in the background: it waits CONNECT_WAIT_S for the store at start, then
 serves without it (every lookup a counted failure) and keeps retrying every RECONNECT_S.
 Loads run on the scheduler's thread, saves on the chunk writer's (sglang_patches.chunk_store_writer).
