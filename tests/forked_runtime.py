@@ -41,9 +41,10 @@ class RuntimeZygote:
         # The environment every runtime is forked with, from the one place runtimes get theirs:
         # what SGLang reads at import (CPU engine, OpenMP policy) must be set before the zygote imports it.
         env = RuntimeConfig(Path("."), device="cpu").resolved().env()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.forked_runtime"], env=env, cwd=Path(__file__).resolve().parents[1],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log_dir / "zygote.log", "ab"), text=True)
+        with open(log_dir / "zygote.log", "ab") as log:  # the zygote holds its own copy of the handle
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "tests.forked_runtime"], env=env, cwd=Path(__file__).resolve().parents[1],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
         self._expect(READY)
         self.running: set[int] = set()
 
