@@ -336,3 +336,27 @@ def test_bench_calibrate_counts_a_question_measured_twice_once(tmp_path):
                         ids=["q1", "q1", "q1"])
     table = calibration_from_runs([read_run(run) for run in (first, other_set, again)], min_questions=1)
     assert table.kl["naive"] == {"1024-2048": 0.5} and table.kl["cacherepair"] == {"1024-2048": 0.1}
+
+
+def test_bench_frontier_plots_each_policy_from_its_latest_run_per_set(tmp_path, capsys):
+    from rag_server.cli import main
+
+    old = _stored_run(tmp_path / "old", "smollm2-135m", "exact",
+                      [("full", 1200, 0.0, 4.0), ("naive", 1200, 0.6, 0.5), ("legolink:16", 1200, 0.4, 1.0)])
+    new = _stored_run(tmp_path / "new", "smollm2-135m", "exact",
+                      [("full", 1200, 0.0, 4.0), ("legolink:16", 1200, 0.3, 2.0)])
+    other_set = _stored_run(tmp_path / "wiki", "smollm2-135m", "exact",
+                            [("full", 900, 0.0, 3.0), ("naive", 900, 0.9, 0.5)], dataset="2wiki.dev.jsonl")
+    out = tmp_path / "plots" / "frontier.png"
+    assert main(["bench", "frontier", str(old), str(new), str(other_set), "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # One row per (set, policy): legolink:16 from the newer run, naive kept from the older one.
+    assert lines == ["2wiki.dev\tnaive\t6.0x\tKL 0.900\twiki",
+                     "hotpotqa.dev\tnaive\t8.0x\tKL 0.600\told",
+                     "hotpotqa.dev\tlegolink:16\t2.0x\tKL 0.300\tnew"]
+    assert out.read_bytes().startswith(b"\x89PNG")
+
+    qwen = _stored_run(tmp_path / "qwen", "qwen2.5-coder-0.5b", "exact", [("full", 1200, 0.0, 4.0),
+                                                                          ("naive", 1200, 0.5, 0.5)])
+    assert main(["bench", "frontier", str(old), str(qwen), "--out", str(out)]) == 1
+    assert "a plot is one reader's" in capsys.readouterr().err

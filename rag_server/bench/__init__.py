@@ -1,1 +1,1 @@
-"""`picrag bench` (quality, load, calibrate) and `picrag ask`, with the QA scoring they report."""
+"""`picrag bench` (quality, load, calibrate, frontier) and `picrag ask`, with the QA scoring they report."""
