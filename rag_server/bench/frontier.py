@@ -25,7 +25,8 @@ class FrontierPoint:
 
 
 def latest_points(runs: list[StoredRun]) -> dict[str, dict[str, FrontierPoint]]:
-    """Points by dev set (the dataset file's name) and policy; later runs replace earlier ones.
+    """Points by dev set (the dataset file's name, and the distractors where not the set's own) and
+    policy; later runs replace earlier ones.
     `full` itself (speed-up 1, KL 0) is left out: every panel's origin."""
     models = {run.model for run in runs}
     if len(models) != 1:
@@ -35,7 +36,9 @@ def latest_points(runs: list[StoredRun]) -> dict[str, dict[str, FrontierPoint]]:
         raise BenchError("the runs measured the first-token KL differently and cannot share axes")
     points: dict[str, dict[str, FrontierPoint]] = {}
     for run in runs:
-        dataset = run.prompts.split(",")[0].removesuffix(".jsonl")
+        # A run with unrelated distractors asks another question of the reader: its own panel.
+        name, _, distractors = run.prompts.partition(", ")
+        dataset = name.removesuffix(".jsonl") + ("" if distractors in ("dataset", "None") else f", {distractors} distractors")
         for policy, values in run.summary.items():
             speedup, kl = values.get("ttft_speedup_vs_full"), values.get("first_token_kl_mean")
             if policy == "full" or speedup is None or kl is None:
