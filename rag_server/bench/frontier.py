@@ -12,8 +12,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from rag_server.bench.common import BenchError, reporting_errors
-from rag_server.bench.quality import StoredRun, read_run
+from rag_server.bench.common import reporting_errors
+from rag_server.bench.quality import StoredRun, check_comparable, read_run
 
 
 @dataclass(frozen=True)
@@ -28,12 +28,7 @@ def latest_points(runs: list[StoredRun]) -> dict[str, dict[str, FrontierPoint]]:
     """Points by dev set (the dataset file's name, and the distractors where not the set's own) and
     policy; later runs replace earlier ones.
     `full` itself (speed-up 1, KL 0) is left out: every panel's origin."""
-    models = {run.model for run in runs}
-    if len(models) != 1:
-        raise BenchError(f"the runs are of {len(models)} models ({', '.join(sorted(models))}); a plot is one reader's")
-    methods = {run.kl_method for run in runs}
-    if len(methods) > 1:
-        raise BenchError("the runs measured the first-token KL differently and cannot share axes")
+    check_comparable(runs, "a plot is one reader's")
     points: dict[str, dict[str, FrontierPoint]] = {}
     for run in runs:
         # A run with unrelated distractors asks another question of the reader: its own panel.

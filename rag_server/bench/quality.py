@@ -263,23 +263,29 @@ def check_shipped_repair(model: str, records: list[tuple[str, dict[str, Any] | N
                          "a calibration table must describe the checkpoint `picrag serve` uses")
 
 
+def check_comparable(runs: list[StoredRun], purpose: str) -> None:
+    """Refuse runs that cannot share one table or plot: of different models (`purpose` says why
+    that matters), or with the first-token KL measured differently."""
+    models = {run.model for run in runs}
+    if len(models) > 1:
+        raise BenchError(f"the runs are of different models ({', '.join(sorted(models))}); {purpose}")
+    if len({run.kl_method for run in runs}) > 1:
+        raise BenchError("the runs measured the first-token KL differently and cannot be pooled: "
+                         + "; ".join(f"{run.path}: {run.kl_method}" for run in runs))
+
+
 def calibration_from_runs(runs: list[StoredRun], min_questions: int = MIN_CELL_QUESTIONS) -> CalibrationTable:
     """One table from stored runs of one model whose KLs were measured the same way."""
     if not runs:
         raise BenchError("no runs given")
+    check_comparable(runs, "one table is one model's")
     models = {run.model for run in runs}
-    if len(models) > 1:
-        raise BenchError(f"the runs are of different models ({', '.join(sorted(models))}); one table is one model's")
     ablations = [str(run.path) for run in runs if run.passage_bos]
     if ablations:
         raise BenchError(f"{', '.join(ablations)}: a --passage-bos run is not the layout the frontend serves")
     check_shipped_repair(next(iter(models)), [(str(run.path), run.repair_checkpoint) for run in runs])
-    methods = {run.kl_method for run in runs}
-    if len(methods) > 1:
-        raise BenchError("the runs measured the first-token KL differently and cannot be pooled: "
-                         + "; ".join(f"{run.path}: {run.kl_method}" for run in runs))
     source = ("picrag bench calibrate over " + "; ".join(run.label for run in runs)
-              + f". First-token KL: {methods.pop()}.")
+              + f". First-token KL: {runs[0].kl_method}.")
     # A question that two runs measured with the same policy counts once, or adding a run with
     # new policies on old questions would weigh those questions twice in the old policies' means.
     seen: set[tuple[str, str, str]] = set()
