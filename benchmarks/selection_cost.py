@@ -10,7 +10,7 @@ the chosen tokens. Per run, this fits the median TTFT of the selecting policies 
 `fixed` is what the two passes cost before any token is recomputed, so `full`'s TTFT over it
 bounds the speed-up of that base's selecting links at any R and K; `at 5x` is how many
 computed tokens (question included) still fit in a fifth of `full`'s TTFT, and that share of
-the prompt. Two points per line: an estimate, not a measurement.
+the prompt. Two or three points a line: an estimate, not a measurement.
 
     python benchmarks/selection_cost.py docs/benchmarks/*select*/
 """
@@ -19,18 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 from picrag_core.policies import parse_policy
-
-
-def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of ttft over computed tokens."""
-    n = len(points)
-    mean_x = sum(x for x, _ in points) / n
-    mean_y = sum(y for _, y in points) / n
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
-    return mean_y - slope * mean_x, slope
 
 
 def main() -> None:
@@ -53,7 +45,7 @@ def main() -> None:
         for base, points in sorted(by_base.items()):
             if len({x for x, _ in points}) < 2:
                 continue
-            fixed, per_token = fit(points)
+            per_token, fixed = statistics.linear_regression([x for x, _ in points], [y for _, y in points])
             tokens = max(0.0, (full / 5 - fixed) / per_token)
             print(f"| {path.parent.name} | {full:.2f} | {naive if naive is None else f'{naive:.2f}'} | {base} | "
                   f"{fixed:.2f} | {1000 * per_token:.1f} | {full / fixed:.1f} | {tokens:.0f} ({100 * tokens / prompt:.0f}%) |")
