@@ -18,11 +18,11 @@ the prompt. Two or three points a line: an estimate, not a measurement.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
 from picrag_core.policies import parse_policy
+from rag_server.bench.quality import read_run
 
 
 def main() -> None:
@@ -32,8 +32,8 @@ def main() -> None:
     print("| run | full TTFT (s) | naive TTFT (s) | base | fixed (s) | per token (ms) | bound (x) | at 5x: tokens (share of prompt) |")
     print("|---|---|---|---|---|---|---|---|")
     for run in args.runs:
-        path = run / "results.json" if run.is_dir() else run
-        policies = json.loads(path.read_text())["policies"]
+        stored = read_run(run)
+        policies = stored.summary
         full = policies["full"]["ttft_p50_s"]
         naive = policies.get("naive", {}).get("ttft_p50_s")
         by_base: dict[str, list[tuple[float, float]]] = {}
@@ -47,7 +47,7 @@ def main() -> None:
                 continue
             per_token, fixed = statistics.linear_regression([x for x, _ in points], [y for _, y in points])
             tokens = max(0.0, (full / 5 - fixed) / per_token)
-            print(f"| {path.parent.name} | {full:.2f} | {naive if naive is None else f'{naive:.2f}'} | {base} | "
+            print(f"| {stored.path.parent.name} | {full:.2f} | {naive if naive is None else f'{naive:.2f}'} | {base} | "
                   f"{fixed:.2f} | {1000 * per_token:.1f} | {full / fixed:.1f} | {tokens:.0f} ({100 * tokens / prompt:.0f}%) |")
 
 
