@@ -89,10 +89,6 @@ class PolicyFamily:
     # Chunks are extend tokens whose cached KV is placed in the forward (sglang_patches.cacheblend)
     # instead of grafted into the tree as prefix.
     blends_chunks: bool = False
-    # A blending family that ranks chunk tokens at the check layer by the attention the question
-    # pays them in layers 0 and 1 (computed for every token, so exactly full's), instead of by V's
-    # deviation from the cache: query-aware selection inside the one extend that answers.
-    ranks_by_question: bool = False
     # Grafted chunk KV is corrected by the CacheRepair network (sglang_patches.repair.kv_repair).
     repairs: bool = False
     # The family served instead when the engine holds no repair checkpoint.
@@ -160,18 +156,6 @@ _FAMILIES = (
         "attends to most over it (and the first K of every chunk) recomputed in context",
         param="ratio", default_param=0.15, takes_k=True, reuses_chunks=True, position_masked=True,
         reordered_layout=True, repairs=True, unrepaired="select", scored_as="cacherepair",
-    ),
-    PolicyFamily(
-        "queryblend", "layers 0-1 on every token, later layers on the fraction R of chunk tokens the question "
-        "attends to most in layers 0-1 (and the first K of every chunk): select in one pass",
-        param="ratio", default_param=0.15, takes_k=True, reuses_chunks=True, position_masked=True,
-        inserts_into_tree=False, blends_chunks=True, ranks_by_question=True,
-    ),
-    PolicyFamily(
-        "cacherepair+queryblend", "queryblend, with cacherepair's repaired KV for the chunk tokens it does not "
-        "recompute",
-        param="ratio", default_param=0.15, takes_k=True, reuses_chunks=True, position_masked=True,
-        inserts_into_tree=False, blends_chunks=True, ranks_by_question=True, repairs=True, unrepaired="queryblend",
     ),
 )
 POLICY_FAMILIES: dict[str, PolicyFamily] = {family.name: family for family in _FAMILIES}

@@ -5,8 +5,8 @@ An AFTER hook on `ForwardBatch.init_new` (the one place a batch's positions are 
 ForwardAnnotations (sglang_patches.forward_annotations): the true positions of prompts sent
 reordered (sglang_patches.positions) and CacheBlend's cached KV put in place
 (sglang_patches.cacheblend), and where the question's attention is summed for links that ask
-and for blends ranked by it (sglang_patches.context_attention). The requests' grafts are done by
-then, so their chunk leases end here (sglang_patches.chunk_cache). SGLang 0.5.23's eager runner then copies the batch into
+(sglang_patches.context_attention). The requests' grafts are done by then, so their chunk leases end
+here (sglang_patches.chunk_cache). SGLang 0.5.23's eager runner then copies the batch into
 static buffers and runs the model on a *new* ForwardBatch made by `dataclasses.replace`, which
 keeps dataclass fields only: an AFTER hook on `EagerRunner.load_batch` carries the annotations
 over; without it the attention backend and the layers would silently see none.
@@ -30,15 +30,10 @@ def annotate(forward_batch, _cls, batch, *_args, **_kwargs):
     plans = [plan_of(req) for req in batch.reqs]
     if not any(plans):
         return forward_batch
-    blend = prepare_blend(forward_batch, plans)
-    # Links that ask for their question's attention, and blends ranked by it (until the check
-    # layer); a blending family may not ask (picrag_core.link_hints), so the two never meet.
-    attention = {index: plan.stats.context_attention for index, plan in enumerate(plans)
-                 if plan is not None and plan.stats.context_attention is not None}
-    if blend is not None:
-        attention.update(blend.question_attention())
     annotations = ForwardAnnotations(
-        true_positions=true_positions_of(forward_batch, plans), blend=blend, attention=attention,
+        true_positions=true_positions_of(forward_batch, plans), blend=prepare_blend(forward_batch, plans),
+        attention={index: plan.stats.context_attention for index, plan in enumerate(plans)
+                   if plan is not None and plan.stats.context_attention is not None},
     )
     for plan in plans:
         if plan is not None:

@@ -16,14 +16,6 @@ paper:
    tokens keep the cached KV written in step 1. The attention backend masks by position
    (the annotations' ``query_positions``), since the kept rows are scattered through the row.
 
-The ``queryblend`` families rank chunk tokens in step 3 by the question's attention instead: the
-attention weight the question's tokens (every row after the last chunk) give each chunk token in
-layers 0 and 1, summed over heads and question tokens (sglang_patches.context_attention, summed
-by the attention backend as it attends). Those layers run on every token, so the weights are
-exactly full's. The first K tokens of every chunk are always kept. ``cacherepair+queryblend`` adds
-the repair network's residual to the cached KV placed in step 1 (sglang_patches.repair.kv_repair),
-so the tokens it drops keep cacherepair's KV.
-
 The logits processor picks each request's last extend row from the shrunk lengths, so decoding
 and other requests in the batch are untouched. Step 1 runs when the batch is made
 (sglang_patches.batch_annotations); steps 2-4 in an AROUND hook on the decoder layers of the
@@ -39,9 +31,7 @@ from typing import Optional
 
 import torch
 
-from sglang_patches.context_attention import AttentionReport
 from sglang_patches.forward_annotations import annotations_of
-from sglang_patches.repair.kv_repair import RepairPart, RepairSpan, repair_spans
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +62,6 @@ class BlendPlan:
     ratio: float
     sources: list[BlendSource]
     stats: object  # the request's LinkStats
-    k: int = 0  # the first k tokens of every chunk are always kept
-    # Prompt position of the question's first token when chunk tokens are ranked by its attention;
-    # None: by V's deviation.
-    question_start: Optional[int] = None
-    repairs: bool = False  # the placed KV gets the repair network's residual
 
 
 @dataclass
@@ -85,12 +70,9 @@ class _BlendRows:
 
     batch_index: int
     candidates: torch.Tensor  # extend-row indices (within the request) that hold cached KV
-    forced: torch.Tensor  # [candidates] bool: among the first k of their chunk, always kept
+    cached_v: torch.Tensor  # [candidates, heads, dim]: the cache's check-layer V
     ratio: float
     stats: object
-    cached_v: Optional[torch.Tensor] = None  # [candidates, heads, dim]: the cache's check-layer V
-    # Ranked by the question's attention: the sums the attention backend adds to in layers 0-1.
-    attention: Optional[AttentionReport] = None
 
 
 @dataclass
@@ -99,28 +81,18 @@ class BlendState:
     requests: list[_BlendRows]
     positions: Optional[torch.Tensor] = None  # the kept rows' positions, once shrunk
 
-    def question_attention(self) -> dict[int, AttentionReport]:
-        """Batch index -> the report of each request ranked by its question's attention, for the
-        attention backend to sum into until the check layer."""
-        return {rows.batch_index: rows.attention for rows in self.requests if rows.attention is not None}
 
-
-def select_rows(score: torch.Tensor, candidates: torch.Tensor, length: int, ratio: float,
-                logprob_from: Optional[int] = None, forced: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Extend-row indices computed after the check layer: the forced candidates, the
-    ceil(ratio * candidates) others with the highest score, every non-candidate row, the last row
-    and every row from `logprob_from` on (the rows whose input log-probabilities the request
-    asked for: only a computed row has one), ascending."""
+def select_rows(deviation: torch.Tensor, candidates: torch.Tensor, length: int, ratio: float,
+                logprob_from: Optional[int] = None) -> torch.Tensor:
+    """Extend-row indices computed after the check layer: the top `ratio` of candidates by
+    deviation, every non-candidate row, the last row and every row from `logprob_from` on (the
+    rows whose input log-probabilities the request asked for: only a computed row has one),
+    ascending."""
     keep = torch.ones(length, dtype=torch.bool)
     keep[candidates] = False
-    if forced is not None and forced.any():
-        keep[candidates[forced]] = True
-        candidates, score = candidates[~forced], score[~forced]
-        n_top = min(len(candidates), math.ceil(ratio * (len(candidates) + int(forced.sum()))))
-    else:
-        n_top = min(len(candidates), math.ceil(ratio * len(candidates)))
+    n_top = min(len(candidates), math.ceil(ratio * len(candidates)))
     if n_top:
-        keep[candidates[torch.topk(score, n_top).indices]] = True
+        keep[candidates[torch.topk(deviation, n_top).indices]] = True
     keep[length - 1] = True
     if logprob_from is not None:
         keep[logprob_from:] = True
@@ -144,15 +116,15 @@ def prepare_blend(forward_batch, plans: list) -> Optional[BlendState]:
             forward_batch.out_cache_loc[starts[index] : starts[index] + forward_batch.extend_seq_lens_cpu[index]],
         )
         if rows is not None:
-            requests.append(rows)
-            rows.batch_index = index
+            candidates, cached_v = rows
+            requests.append(_BlendRows(index, candidates, cached_v, plan.ratio, plan.stats))
     return BlendState(kv_pool=kv_pool, requests=requests) if requests else None
 
 
-def _place_cached_kv(plan: BlendPlan, prefix: int, length: int, extend_slots: torch.Tensor) -> Optional[_BlendRows]:
+def _place_cached_kv(plan: BlendPlan, prefix: int, length: int, extend_slots: torch.Tensor):
     cache = plan.cache
     pool = cache.kv_pool
-    rows, forced, sources, deltas, locks, spans = [], [], [], [], [], []
+    rows, sources, deltas, locks = [], [], [], []
     try:
         for source in plan.sources:
             lo, hi = max(source.start, prefix), min(source.end, prefix + length - 1)  # last row: always computed
@@ -164,38 +136,21 @@ def _place_cached_kv(plan: BlendPlan, prefix: int, length: int, extend_slots: to
             node, slots = found
             locks.append(cache.lock(node))
             rows.append(torch.arange(lo - prefix, hi - prefix))
-            forced.append(torch.arange(lo - source.start, hi - source.start) < plan.k)
             sources.append(slots[lo - source.start : hi - source.start].to(torch.int64))
             deltas.append(torch.full((hi - lo,), source.start, dtype=torch.int64))
-            # The network sees the whole stored chunk; the rows placed are its part.
-            spans.append(RepairSpan(slots, list(source.chunk_tokens), source.start,
-                                    [RepairPart(lo - source.start, hi - lo)]))
         plan.stats.chunk_hits = len(rows)
         plan.stats.chunk_misses = len(plan.sources) - len(rows)
         if not rows:
             return None
         rows_t, src, delta = torch.cat(rows), torch.cat(sources), torch.cat(deltas)
         dst = extend_slots[rows_t].to(torch.int64)
-        blend = _BlendRows(-1, rows_t, torch.cat(forced), plan.ratio, plan.stats)
-        if plan.question_start is None:
-            blend.cached_v = pool.get_value_buffer(pool.start_layer + CHECK_LAYER)[src].clone()
-        else:
-            blend.attention = AttentionReport(question_start=plan.question_start)
+        cached_v = pool.get_value_buffer(pool.start_layer + CHECK_LAYER)[src].clone()
         if plan.ratio < 1.0:
             cache.copy_shifted(src, dst, delta, first_layer=CHECK_LAYER + 1)
-            if plan.repairs:
-                offset = 0
-                for span in spans:
-                    part = span.parts[0]
-                    part.new_slots = dst[offset : offset + part.count]
-                    offset += part.count
-                # Layers up to the check layer are overwritten by the forward, which computes them
-                # for every row; later layers keep the repaired KV where a row is dropped.
-                cache.counters.add("repaired_tokens", repair_spans(cache.repairer, pool, cache.shifter, spans))
     finally:
         for lock in locks:
             cache.unlock(lock)
-    return blend
+    return rows_t, cached_v
 
 
 def run_layer(original, layer, positions, hidden_states, forward_batch, *args, **kwargs):
@@ -226,23 +181,15 @@ def _shrink(state: BlendState, forward_batch, positions: torch.Tensor, hidden_st
         if rows is None:
             keep = torch.arange(length)
         else:
-            prefix = forward_batch.extend_prefix_lens_cpu[index]
-            if rows.attention is not None:
-                # Layers 0..CHECK_LAYER have added their weights; later rows are scattered.
-                annotations_of(forward_batch).attention.pop(index, None)
-                sums = rows.attention.sums
-                score = (torch.zeros(len(rows.candidates)) if sums is None
-                         else sums[prefix + rows.candidates].float())
-            else:
-                slots = forward_batch.out_cache_loc[starts[index] + rows.candidates].to(torch.int64)
-                score = (fresh_v[slots].float() - rows.cached_v.float()).square().sum(dim=(1, 2))
+            slots = forward_batch.out_cache_loc[starts[index] + rows.candidates].to(torch.int64)
+            deviation = (fresh_v[slots].float() - rows.cached_v.float()).square().sum(dim=(1, 2))
             logprob_starts = forward_batch.extend_logprob_start_lens_cpu
-            keep = select_rows(score, rows.candidates, length, rows.ratio,
-                               None if logprob_starts is None else logprob_starts[index], rows.forced)
+            keep = select_rows(deviation, rows.candidates, length, rows.ratio,
+                               None if logprob_starts is None else logprob_starts[index])
             dropped = length - len(keep)
             rows.stats.reused_tokens += dropped
             rows.stats.computed_tokens -= dropped
-            query_positions[index] = prefix + keep.to(positions.device)
+            query_positions[index] = forward_batch.extend_prefix_lens_cpu[index] + keep.to(positions.device)
         kept_rows.append(starts[index] + keep)
         new_lengths.append(len(keep))
     kept = torch.cat(kept_rows).to(positions.device)
@@ -285,10 +232,7 @@ def blend_plan(cache, req, link, prefix_len: int, stats) -> Optional[BlendPlan]:
     ]
     if not sources:
         return None
-    family = link.family
-    return BlendPlan(cache=cache, ratio=link.ratio, sources=sources, stats=stats, k=link.k,
-                     question_start=link.chunks[-1][1] if family.ranks_by_question else None,
-                     repairs=family.repairs)
+    return BlendPlan(cache=cache, ratio=link.ratio, sources=sources, stats=stats)
 
 
 def register() -> None:

@@ -5,10 +5,8 @@ to most. The frontend measures that first: it links the prompt as the family's b
 (naive's or cacherepair's KV) with ``"context_attention": true``, and reads back, in meta_info
 (picrag_core.engine_report), the attention weight the question's tokens give to each prompt
 position, summed over layers, heads and question tokens, one per position in the original
-prompt order. The `queryblend` families rank in the forward itself: their sums run over layers
-0 and 1 only, and sglang_patches.cacheblend reads them after layer 1. Both attention backends add
-each layer's weights as they attend (`accumulate`), computed apart from the attention kernel from
-the same queries, keys and mask.
+prompt order. Both attention backends add each layer's weights as they attend
+(`accumulate`), computed apart from the attention kernel from the same queries, keys and mask.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ class ForwardAnnotations:
     # Batch index -> the positions of a request's queries once CacheBlend kept only some rows.
     query_positions: dict[int, torch.Tensor] = field(default_factory=dict)
     blend: Any = None  # sglang_patches.cacheblend.BlendState of the batch's cacheblend requests
-    # Batch index -> the sums of the question's attention, for links that asked for them and for
-    # blends ranked by it (sglang_patches.context_attention.AttentionReport).
+    # Batch index -> the sums of the question's attention, for links that asked for them
+    # (sglang_patches.context_attention.AttentionReport).
     attention: dict[int, Any] = field(default_factory=dict)
 
     def __bool__(self) -> bool:

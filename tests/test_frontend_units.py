@@ -212,7 +212,7 @@ def test_position_masked_policies_need_a_picrag_attention_backend():
     assert engine_refusals("picrag_flashinfer", None) == {}
     on_gpu = engine_refusals("flashinfer", "no checkpoint")
     assert set(on_gpu) == {"legolink", "cacheblend", "cacherepair", "cacherepair+legolink", "select",
-                           "cacherepair+select", "queryblend", "cacherepair+queryblend"}
+                           "cacherepair+select"}
     assert "'flashinfer'" in on_gpu["legolink"] and "no checkpoint" in on_gpu["cacherepair+legolink"]
     assert DEFAULT_POLICIES == ("cacherepair", "legolink", "naive", "prefix")
     assert PolicyResolver.start(None, on_gpu).default.name == "naive"

@@ -17,7 +17,6 @@ from sglang_patches.attention_backends import FLASHINFER_BACKEND, NATIVE_BACKEND
 from sglang_patches.request_guard import EngineSettings, RequestShape, admitted_link
 
 CHUNK_FAMILIES = sorted(name for name, family in POLICY_FAMILIES.items() if family.reuses_chunks)
-BLEND_FAMILIES = sorted(name for name, family in POLICY_FAMILIES.items() if family.blends_chunks)
 
 
 def traits(config_class: str, architecture: str, **fields) -> ModelTraits:
@@ -25,7 +24,7 @@ def traits(config_class: str, architecture: str, **fields) -> ModelTraits:
     return ModelTraits.of_config({**config, "architectures": [architecture]})
 
 
-# (config class, architecture, fields, what is refused: None, "cacheblend" (the blending families) or "chunks")
+# (config class, architecture, fields, what is refused: None, "cacheblend" or "chunks")
 FAMILIES = {
     "llama3": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": {
         "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -54,7 +53,7 @@ FAMILIES = {
 def test_each_family_refuses_exactly_what_it_cannot_serve(name):
     config_class, architecture, fields, refused = FAMILIES[name]
     refusals = model_refusals(traits(config_class, architecture, **fields))
-    expected = {None: [], "cacheblend": BLEND_FAMILIES, "chunks": CHUNK_FAMILIES}[refused]
+    expected = {None: [], "cacheblend": ["cacheblend"], "chunks": CHUNK_FAMILIES}[refused]
     assert sorted(refusals) == expected, refusals
     # prefix and full are SGLang's own: every model keeps them.
     assert "prefix" not in refusals and "full" not in refusals
