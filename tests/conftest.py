@@ -104,14 +104,12 @@ class ServerHandle:
 
     @property
     def runtime_url(self) -> str:
-        """The SGLang runtime behind `picrag serve`: its child `sglang.launch_server`."""
-        import psutil
+        """The SGLang runtime behind `picrag serve`."""
+        from rag_server.launch.runtime import runtime_url_under
 
-        for child in psutil.Process(self.process.pid).children(recursive=True):
-            command = child.cmdline()
-            if "sglang.launch_server" in command:
-                return f"http://127.0.0.1:{command[command.index('--port') + 1]}"
-        raise AssertionError("no sglang.launch_server under picrag serve")
+        url = runtime_url_under(self.process.pid)
+        assert url is not None, "no SGLang runtime under picrag serve"
+        return url
 
 
 def start_picrag_server(log: Path, extra_args: list[str], default_corpus: bool = False) -> ServerHandle:

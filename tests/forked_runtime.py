@@ -1,15 +1,13 @@
 """SGLang runtimes forked from one process that has imported SGLang once: for tests that start a
 runtime per model (the model matrix, one tiny model per decoder family).
 
-A runtime started as `picrag serve` starts it imports SGLang in three fresh processes (server,
-scheduler, detokenizer): about 40 s on two cores, almost all of it imports, because SGLang
-starts its workers with the 'spawn' method (CUDA needs it). On CPU a fork serves as well, as long
-as the forking process never ran torch (an OpenMP thread pool does not survive a fork): the
-zygote here imports SGLang's server, scheduler, detokenizer and model classes and loads the
-plugins, computes nothing, and forks for each runtime a child that runs what
-`python -m sglang.launch_server` runs with `RuntimeConfig.command()`'s arguments and
-`RuntimeConfig.env()`'s environment; that child forks its workers in turn. Same SGLang code,
-same arguments, same picrag plugin: only the start method differs.
+A runtime that `picrag serve` starts on CPU imports SGLang once, in its server process, and forks
+its scheduler and detokenizer (sglang_patches.cpu_launch): about 17 s on two cores, most of it
+that import. The zygote here imports SGLang's server, scheduler, detokenizer and model classes
+once and loads the plugins, computes nothing (an OpenMP thread pool does not survive a fork), and
+forks for each runtime a child that runs what `python -m sglang_patches.cpu_launch` runs, with
+`RuntimeConfig.command()`'s arguments and `RuntimeConfig.env()`'s environment: the same SGLang
+code, arguments and plugins, and no import per runtime (about 10 s a start).
 
 Run as `python -m tests.forked_runtime`: it reads one JSON command per line on stdin and
 answers one JSON line on stdout.
@@ -53,7 +51,7 @@ class RuntimeZygote:
         config = config.resolved()
         assert config.device == "cpu", "forked runtimes run on CPU only (CUDA does not survive a fork)"
         log = self.log_dir / f"{name}.log"
-        # command() starts with `python -m sglang.launch_server`; the child gets the arguments after.
+        # command() starts with `python -m <launch module>`; the child gets the arguments after.
         pid = self._ask({"start": config.command()[3:], "env": config.env(), "log": str(log)})["pid"]
         self.running.add(pid)
         runtime = ForkedRuntime(self, pid, config.url, log)
@@ -146,12 +144,10 @@ def _import_sglang() -> None:
 
 
 def _run_runtime(argv: list[str], env: dict[str, str], log: str) -> None:
-    """In the forked child: what `python -m sglang.launch_server ARGV` runs after its imports."""
-    import multiprocessing
-
-    from sglang.launch_server import run_server
-    from sglang.srt.server_args import prepare_server_args
+    """In the forked child: what `python -m sglang_patches.cpu_launch ARGV` runs after its imports."""
     from sglang.srt.utils import kill_process_tree
+
+    from sglang_patches import cpu_launch
 
     os.setsid()  # its own process group, stopped whole
     with open(os.devnull, "rb") as nothing:
@@ -161,12 +157,9 @@ def _run_runtime(argv: list[str], env: dict[str, str], log: str) -> None:
         os.dup2(out.fileno(), 2)
     os.environ.clear()
     os.environ.update(env)
-    # SGLang sets 'spawn' for its workers at launch; they are forked instead (see the docstring).
-    multiprocessing.set_start_method("fork", force=True)
-    multiprocessing.set_start_method = lambda *args, **kwargs: None
     code = 0
     try:
-        run_server(prepare_server_args(argv))
+        cpu_launch.run(argv)
     except BaseException:  # the child must never return into the zygote's loop
         import traceback
 

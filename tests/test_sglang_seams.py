@@ -147,6 +147,25 @@ def test_cuda_runtime_uses_picrag_flashinfer_without_prefill_graphs(tmp_path):
     assert cpu.attention_backend == "picrag_native" and "--cuda-graph-backend-prefill" not in cpu.command()
 
 
+def test_cpu_runtimes_start_through_cpu_launch_which_overrides_sglangs_spawn(tmp_path):
+    """sglang_patches.cpu_launch forks the workers SGLang's launch would spawn: the launch still
+    asks for 'spawn' by that one statement, and after use_forked_workers no request changes 'fork'."""
+    import subprocess
+    import sys
+
+    from sglang.srt.entrypoints import engine
+
+    from rag_server.launch.runtime import RuntimeConfig
+    from sglang_patches import cpu_launch
+
+    assert cpu_launch.SPAWN_STATEMENT in inspect.getsource(engine._set_envs_and_config)
+    assert RuntimeConfig(model_path=tmp_path, device="cpu").resolved().command()[1:3] == ["-m", "sglang_patches.cpu_launch"]
+    assert RuntimeConfig(model_path=tmp_path, device="cuda").resolved().command()[1:3] == ["-m", "sglang.launch_server"]
+    probe = ("import multiprocessing as mp; from sglang_patches import cpu_launch; cpu_launch.use_forked_workers(); "
+             "mp.set_start_method('spawn', force=True); print(mp.get_start_method())")
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "fork"
+
+
 def test_signatures_of_the_forward_hooks():
     from sglang_patches import batch_annotations, cacheblend
 

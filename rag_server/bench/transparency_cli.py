@@ -65,19 +65,19 @@ def runtime_url_of(frontend_url: str) -> Optional[str]:
     """The runtime under the local `picrag serve` listening on `frontend_url`'s port."""
     import psutil
 
+    from rag_server.launch.runtime import runtime_url_under
+
     port = str(urlparse(frontend_url).port)
     for process in psutil.process_iter(["cmdline"]):
         command = process.info["cmdline"] or []
         if "serve" not in command or "--port" not in command or command[command.index("--port") + 1] != port:
             continue
         try:
-            children = process.children(recursive=True)
+            url = runtime_url_under(process.pid)
         except psutil.Error:
             continue
-        for child in children:
-            child_command = child.cmdline()
-            if "sglang.launch_server" in child_command:
-                return f"http://127.0.0.1:{child_command[child_command.index('--port') + 1]}"
+        if url is not None:
+            return url
     return None
 
 
