@@ -86,10 +86,26 @@ def pytest_collection_modifyitems(config, items) -> None:
         real = (any(name in item.fixturenames for name in SESSION_SERVERS)
                 or item.get_closest_marker("server") or item.get_closest_marker("slow"))
         item.add_marker(pytest.mark.e2e if real else pytest.mark.unit)
-    # The session servers' groups first (the largest: most end-to-end modules are in them): xdist
-    # hands groups out in this order, and a large one handed out last would run alone at the end.
+    # xdist hands groups out in this order (pytest_configure turns its own reordering off), and a
+    # long group handed out last runs alone at the end: the session servers' groups first (most
+    # end-to-end modules are in them), then every group that starts a runtime of its own (each
+    # takes a minute or more), then the quick ones that fill in around them.
     first = {name: index for index, name in enumerate(SESSION_SERVERS)}
-    items.sort(key=lambda item: first.get(group_of_module[item.nodeid.split("::")[0]], len(first)))
+    starts_runtime = {group_of_module[item.nodeid.split("::")[0]] for item in items
+                      if item.get_closest_marker("e2e")}
+
+    def order(item) -> tuple[int, int]:
+        group = group_of_module[item.nodeid.split("::")[0]]
+        return first.get(group, len(first)), group not in starts_runtime
+
+    items.sort(key=order)
+
+
+def pytest_configure(config) -> None:
+    # xdist would hand groups out largest first by test count, which says nothing of their time
+    # (a module of one restart test outlasts one of forty unit tests): keep the order set above.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 class ServerHandle:

@@ -147,6 +147,12 @@ class RuntimeConfig:
         if self.device == "cpu":
             # Without it SGLang imports vLLM's rotary kernel on CPU and dies.
             env["SGLANG_USE_CPU_ENGINE"] = "1"
+            # When a worker exits (a crash, or the stop's SIGTERM to the group) SGLang sleeps 5 s
+            # before py-spy-dumping the *other* live schedulers and taking CUDA core dumps: a CPU
+            # runtime has one scheduler and no CUDA, so there is nothing to take, and every stop
+            # would wait the 5 s.
+            env.setdefault("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "0")
+            env.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0")
         if not self.plugins:
             # SGLang loads only the plugins this allowlist names; no plugin is named so.
             env["SGLANG_PLUGINS"] = NO_PLUGIN
