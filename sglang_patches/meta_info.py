@@ -30,13 +30,14 @@ def add_link_stats(result, _streamer, req):
         plan.answered()
     stats = plan.stats
     meta = {**(result or {"device": 0, "host": 0}), **stats.as_meta()}
-    first_token = take_for_output(stats, streamed=bool(req.stream))
+    first_token = take_for_output(stats, streamed=bool(req.stream), finished=req.finished())
     if first_token is not None:
         meta[FIRST_TOKEN_KEY] = first_token
     report = stats.context_attention
-    if report is not None and report.sums is not None:
+    # Like the first-token distribution: a stream carries it once, in its last event.
+    if report is not None and report.sums is not None and (not req.stream or req.finished()):
         meta[ATTENTION_KEY] = encode_attention(report, len(req.origin_input_ids), plan.order)
-        if req.stream:  # sent once
+        if req.stream:
             stats.context_attention = None
     return meta
 

@@ -1,6 +1,7 @@
 """The first answer token's full-vocabulary distribution (`first_token_logprobs` in a link):
-what the engine sends is SGLang's own distribution, sent once, and the exact KL computed from it
-is zero between policies that are equivalent and positive between ones that are not."""
+what the engine sends is SGLang's own distribution, sent once (in a stream's last event), and the
+exact KL computed from it is zero between policies that are equivalent and positive between ones
+that are not."""
 
 from __future__ import annotations
 
@@ -34,6 +35,21 @@ def test_the_request_flag_travels_in_the_link_hints_and_is_parsed_strictly():
     hints["actions"][0]["payload"]["first_token_logprobs"] = "yes"
     with pytest.raises(LinkHintError, match="first_token_logprobs"):
         parse_link_request(hints)
+
+
+def test_a_stream_gets_the_distribution_with_its_last_output_only():
+    """SGLang folds the outputs a slow reader has not taken yet into the newest, keeping only its
+    meta_info: a one-shot report must ride on the last output, the one never folded away."""
+    from types import SimpleNamespace
+
+    from sglang_patches.first_token_report import take_for_output
+
+    stats = SimpleNamespace(first_token_logprobs="encoded")
+    assert take_for_output(stats, streamed=True, finished=False) is None
+    assert take_for_output(stats, streamed=True, finished=True) == "encoded"
+    assert take_for_output(stats, streamed=True, finished=True) is None  # once
+    whole = SimpleNamespace(first_token_logprobs="encoded")
+    assert take_for_output(whole, streamed=False, finished=True) == "encoded"
 
 
 def _body(prompt, policy: str, report: bool, **extra) -> dict:
@@ -77,8 +93,10 @@ def test_a_stream_carries_the_distribution_once_through_the_frontend(picrag_serv
             assert response.status_code == 200
             events = list(sse.events(response.iter_lines()))
         whole = client.post("/generate", json=_body(prompt, "naive", True)).json()
-    carrying = [e for e in events if _distribution(e) is not None]
-    assert len(events) > 1 and len(carrying) == 1
-    streamed = _distribution(carrying[0])
+    carrying = [index for index, event in enumerate(events) if _distribution(event) is not None]
+    # Once, in the last event: SGLang folds events a slow reader has not taken into the newest,
+    # keeping its meta_info alone, so only the last is sure to arrive.
+    assert len(events) > 1 and carrying == [len(events) - 1]
+    streamed = _distribution(events[-1])
     assert exact_kl(_distribution(whole), streamed) < 1e-6
-    assert len(json.dumps(events[-1])) < 10_000  # the last event does not repeat it
+    assert all(len(json.dumps(event)) < 10_000 for event in events[:-1])
