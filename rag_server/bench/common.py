@@ -172,7 +172,7 @@ class Measured:
     ttft_s: float
     report: EngineReport  # of the last event
     # The first answer token's log-probabilities over the whole vocabulary, when asked for (sent
-    # in one event).
+    # in the last event).
     first_logprobs: np.ndarray | None = None
 
 
