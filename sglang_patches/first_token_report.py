@@ -6,13 +6,12 @@ that wants the exact first-token KL between two policies needs one full distribu
 link sent with ``"first_token_logprobs": true`` gets it: an AFTER hook on the scheduler's
 result readback (`Scheduler._copy_result_to_cpu`, which every generation forward passes) takes
 the log-softmax of the logits row of each such request whose prefill has just produced its
-first token, and sglang_patches.meta_info ships it once in ``meta_info`` (a stream's last event) as
-``picrag_first_token_logprobs``, one per vocabulary id (picrag_core.engine_report).
+first token, and sglang_patches.meta_info ships it in the ``meta_info`` of the request's finished
+output (a stream's last event) as ``picrag_first_token_logprobs``, one per vocabulary id
+(picrag_core.engine_report).
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 from picrag_core.engine_report import encode_floats
 
@@ -37,20 +36,6 @@ def capture(_result, _scheduler, batch_result, batch) -> None:
             continue
         plan.stats.first_token_logprobs = encode_floats(logits[row].float().log_softmax(-1).cpu().numpy())
     return None
-
-
-def take_for_output(stats, streamed: bool, finished: bool) -> Optional[str]:
-    """The captured distribution for this output. A streamed request sends it once, with its last
-    output: SGLang's HTTP side folds the outputs a slow reader has not taken yet into the newest
-    one and keeps only that one's meta_info, so a copy in an earlier output can be lost (a bench
-    beside other work lost the first output's once); the last output is never folded away."""
-    value = stats.first_token_logprobs
-    if not streamed:
-        return value
-    if not finished:
-        return None
-    stats.first_token_logprobs = None
-    return value
 
 
 def register() -> None:

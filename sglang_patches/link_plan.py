@@ -69,9 +69,9 @@ class LinkStats:
     reused_tokens: int = 0
     computed_tokens: int = 0
     grafted_tokens: int = 0
-    # sglang_patches.first_token_report: the first answer token's log-probabilities, until sent.
+    # sglang_patches.first_token_report: the first answer token's log-probabilities, when asked for.
     first_token_logprobs: Optional[str] = None
-    # sglang_patches.context_attention: the question's attention over the prompt, until sent.
+    # sglang_patches.context_attention: the question's attention over the prompt, when asked for.
     context_attention: Optional[AttentionReport] = None
 
     def as_meta(self) -> dict[str, int | str]:

@@ -20,25 +20,24 @@ HOOK_TARGET = (
 def add_link_stats(result, _streamer, req):
     from sglang_patches.context_attention import encode as encode_attention
     from picrag_core.engine_report import ATTENTION_KEY, FIRST_TOKEN_KEY
-    from sglang_patches.first_token_report import take_for_output
     from sglang_patches.link_plan import plan_of
 
     plan = plan_of(req)
     if plan is None:
         return result
-    if req.finished():
-        plan.answered()
     stats = plan.stats
     meta = {**(result or {"device": 0, "host": 0}), **stats.as_meta()}
-    first_token = take_for_output(stats, streamed=bool(req.stream), finished=req.finished())
-    if first_token is not None:
-        meta[FIRST_TOKEN_KEY] = first_token
-    report = stats.context_attention
-    # Like the first-token distribution: a stream carries it once, in its last event.
-    if report is not None and report.sums is not None and (not req.stream or req.finished()):
-        meta[ATTENTION_KEY] = encode_attention(report, len(req.origin_input_ids), plan.order)
-        if req.stream:
-            stats.context_attention = None
+    if req.finished():
+        plan.answered()
+        # A request's one-shot reports go with its finished output, built once and never folded
+        # away: SGLang's HTTP side folds the outputs a slow reader has not taken yet into the
+        # newest and keeps only that one's meta_info, so a stream's first event could lose them
+        # (a bench beside other work lost a first-token distribution so once).
+        if stats.first_token_logprobs is not None:
+            meta[FIRST_TOKEN_KEY] = stats.first_token_logprobs
+        report = stats.context_attention
+        if report is not None and report.sums is not None:
+            meta[ATTENTION_KEY] = encode_attention(report, len(req.origin_input_ids), plan.order)
     return meta
 
 

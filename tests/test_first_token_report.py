@@ -37,19 +37,21 @@ def test_the_request_flag_travels_in_the_link_hints_and_is_parsed_strictly():
         parse_link_request(hints)
 
 
-def test_a_stream_gets_the_distribution_with_its_last_output_only():
+def test_the_distribution_goes_with_the_finished_output_only():
     """SGLang folds the outputs a slow reader has not taken yet into the newest, keeping only its
-    meta_info: a one-shot report must ride on the last output, the one never folded away."""
+    meta_info: a one-shot report must ride on the finished output, the one never folded away."""
     from types import SimpleNamespace
 
-    from sglang_patches.first_token_report import take_for_output
+    from picrag_core.engine_report import FIRST_TOKEN_KEY
+    from sglang_patches.link_plan import PLAN_ATTR, LinkStats
+    from sglang_patches.meta_info import add_link_stats
 
-    stats = SimpleNamespace(first_token_logprobs="encoded")
-    assert take_for_output(stats, streamed=True, finished=False) is None
-    assert take_for_output(stats, streamed=True, finished=True) == "encoded"
-    assert take_for_output(stats, streamed=True, finished=True) is None  # once
-    whole = SimpleNamespace(first_token_logprobs="encoded")
-    assert take_for_output(whole, streamed=False, finished=True) == "encoded"
+    plan = SimpleNamespace(stats=LinkStats("naive", first_token_logprobs="encoded"), answered=lambda: None, order=None)
+    for stream in (True, False):
+        running = SimpleNamespace(stream=stream, finished=lambda: False, **{PLAN_ATTR: plan})
+        done = SimpleNamespace(stream=stream, finished=lambda: True, **{PLAN_ATTR: plan})
+        assert FIRST_TOKEN_KEY not in add_link_stats(None, None, running)
+        assert add_link_stats(None, None, done)[FIRST_TOKEN_KEY] == "encoded"
 
 
 def _body(prompt, policy: str, report: bool, **extra) -> dict:
