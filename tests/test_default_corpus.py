@@ -10,6 +10,7 @@ import pytest
 
 from retrieval import default_corpus
 from retrieval.default_corpus import DefaultCorpusError, default_index_dir, ensure_default_index, read_corpus
+from tests.conftest import home_sharing_models
 
 BARQS_QUESTION = "Which company owns Barq's root beer?"
 
@@ -17,12 +18,7 @@ BARQS_QUESTION = "Which company owns Barq's root beer?"
 @pytest.fixture
 def picrag_home(tmp_path, monkeypatch) -> Path:
     """An empty PICRAG_HOME that shares the converted models of the real one."""
-    from picrag_core.model_store import models_dir
-
-    models = models_dir()
-    home = tmp_path / "home"
-    home.mkdir()
-    (home / "models").symlink_to(models)
+    home = home_sharing_models(tmp_path / "home")
     monkeypatch.setenv("PICRAG_HOME", str(home))
     return home
 
