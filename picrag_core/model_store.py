@@ -11,7 +11,6 @@ a lock on the preset, so processes that start together on a fresh machine conver
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import json
 import logging
@@ -20,11 +19,10 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from picrag_core.directory_lock import directory_lock
 from picrag_core.file_digest import file_sha256
 
 logger = logging.getLogger(__name__)
@@ -151,28 +149,14 @@ def ensure_model(preset_name: str = DEFAULT_PRESET) -> Path:
     target = models_dir() / preset.name
     if (target / _MARKER).is_file():
         return target
-    with _conversion_lock(preset.name):
+    # Processes started together on a fresh machine (test workers, replicas, a CLI beside a
+    # server) would each convert it, a minute of CPU apiece, and the last to finish would replace
+    # the folder under a runtime that may be loading it: one converts, the others wait.
+    with directory_lock(target):
         if (target / _MARKER).is_file():
             return target  # converted by the process this one waited for
         _convert_preset(preset, target)
     return target
-
-
-@contextmanager
-def _conversion_lock(name: str) -> Iterator[None]:
-    """One conversion of a preset at a time in a PICRAG_HOME. Without it, processes started
-    together on a fresh machine (test workers, replicas, a CLI beside a server) each convert the
-    model, a minute of CPU apiece, and the last to finish replaces the folder under a runtime
-    that may be loading it."""
-    directory = models_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / f".{name}.lock", "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            logger.info("Waiting for another process converting model %s", name)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        yield  # closing the file releases the lock
 
 
 def _convert_preset(preset: ModelPreset, target: Path) -> None:

@@ -6,32 +6,29 @@ contents or the complete new ones, whatever crashes when. The old contents, left
 directory's name, are then removed; a crash before that leaves them there, and the next
 replacement removes them.
 
-`directory_lock` is an exclusive `flock` on a lock file beside the directory (never replaced, so
-every writer locks the same file), re-entrant within a thread. `replace_directory` takes it;
-a caller that reads the directory, changes what it read and writes it back holds it throughout,
-so that no other writer's change is lost.
+`replace_directory` takes `directory_lock` (picrag_core.directory_lock); a caller that reads the
+directory, changes what it read and writes it back holds it throughout, so that no other
+writer's change is lost.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
-import fcntl
 import logging
 import os
 import secrets
 import shutil
 import stat
-import threading
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from pathlib import Path
+
+from picrag_core.directory_lock import directory_lock, real_directory, sibling
 
 logger = logging.getLogger(__name__)
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
-_held = threading.local()  # lock file path -> depth, for the current thread
 
 
 class DirectorySwapError(Exception):
@@ -39,48 +36,10 @@ class DirectorySwapError(Exception):
     exchange two directories atomically."""
 
 
-def _real(directory: str | Path) -> Path:
-    # A symlinked directory is replaced where it really is, and the link is kept.
-    return Path(os.path.realpath(directory))
-
-
-def _sibling(directory: Path, kind: str) -> Path:
-    return directory.parent / f".{directory.name}.{kind}"
-
-
-@contextlib.contextmanager
-def directory_lock(directory: str | Path) -> Iterator[None]:
-    directory = _real(directory)
-    lock_path = str(_sibling(directory, "lock"))
-    depths: dict[str, int] = _held.__dict__.setdefault("depths", {})
-    if lock_path in depths:
-        depths[lock_path] += 1
-        try:
-            yield
-        finally:
-            depths[lock_path] -= 1
-        return
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            logger.warning("waiting for another writer of %s to finish", directory)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        depths[lock_path] = 1
-        try:
-            yield
-        finally:
-            del depths[lock_path]
-    finally:
-        os.close(fd)  # releases the lock
-
-
 def replace_directory(directory: str | Path, fill: Callable[[Path], None], owned: Collection[str]) -> None:
     """Make `directory` hold exactly what `fill(path)` writes into an empty folder. Refuses a
     directory holding entries not named in `owned`: they would be deleted with the old contents."""
-    directory = _real(directory)
+    directory = real_directory(directory)
     with directory_lock(directory):
         _remove_stale_swaps(directory)
         existing = sorted(os.listdir(directory)) if directory.is_dir() else None
@@ -88,7 +47,7 @@ def replace_directory(directory: str | Path, fill: Callable[[Path], None], owned
         if foreign:
             raise DirectorySwapError(f"{directory} holds {', '.join(foreign)}, which the new contents would "
                                      "replace: move them away, or use an empty or new directory")
-        fresh = _sibling(directory, f"swap-{secrets.token_hex(4)}")
+        fresh = sibling(directory, f"swap-{secrets.token_hex(4)}")
         os.mkdir(fresh)
         try:
             if existing is not None:

@@ -23,7 +23,8 @@ from typing import Any
 import faiss
 import numpy as np
 
-from retrieval.directory_swap import DirectorySwapError, directory_lock, replace_directory
+from picrag_core.directory_lock import directory_lock
+from retrieval.directory_swap import DirectorySwapError, replace_directory
 from retrieval.model_info import EmbeddingModelInfo
 from retrieval.passage import Passage
 from picrag_core.file_digest import file_sha256

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from picrag_core import model_store
+from picrag_core import directory_lock, model_store
 
 
 class _Waiting(logging.Handler):
@@ -16,7 +16,7 @@ class _Waiting(logging.Handler):
         self.seen = threading.Event()
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.getMessage().startswith("Waiting for another process"):
+        if record.getMessage().startswith("waiting for another writer of"):
             self.seen.set()
 
 
@@ -25,8 +25,8 @@ def test_callers_that_start_together_convert_a_preset_once(tmp_path, monkeypatch
     instead of converting again and replacing the folder the first may already be loading."""
     monkeypatch.setenv("PICRAG_HOME", str(tmp_path))
     waiting = _Waiting()
-    model_store.logger.addHandler(waiting)
-    caplog.set_level(logging.INFO, logger=model_store.logger.name)
+    logging.getLogger(directory_lock.__name__).addHandler(waiting)
+    caplog.set_level(logging.WARNING, logger=directory_lock.__name__)
     conversions = []
     results: list = []
 
@@ -49,7 +49,7 @@ def test_callers_that_start_together_convert_a_preset_once(tmp_path, monkeypatch
         first = model_store.ensure_model()
         second.join(timeout=30)
     finally:
-        model_store.logger.removeHandler(waiting)
+        logging.getLogger(directory_lock.__name__).removeHandler(waiting)
     assert waiting.seen.is_set(), "the second caller did not wait for the first's conversion"
     assert len(conversions) == 1
     assert results == [first] and (first / "config.json").is_file()
