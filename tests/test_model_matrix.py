@@ -40,7 +40,7 @@ from picrag_core.link_hints import LinkRequest, runtime_request
 from picrag_core.model_support import model_refusals
 from rag_server.launch.model_check import served_model_traits
 from rag_server.launch.runtime import CPU_ATTENTION_BACKEND, RuntimeConfig
-from rag_server.launch.selfcheck import run_self_check
+from rag_server.launch.selfcheck import run_self_check, self_check_layout
 from rag_server.linking.chunk_compiler import compile_request, segments_to_compile
 from rag_server.linking.policy_resolver import engine_refusals
 
@@ -146,7 +146,7 @@ def test_every_policy_is_exact_on_the_family(family, tokenizer_dir, zygote, tmp_
                                          repair_checkpoint=checkpoint), family)
     try:
         unavailable = engine_refusals(CPU_ATTENTION_BACKEND, None if reuses else "no checkpoint", traits)
-        selfcheck = run_self_check(runtime.url, model_dir, unavailable)
+        selfcheck = run_self_check(runtime.url, self_check_layout(model_dir), unavailable)
         assert selfcheck.passed, selfcheck
         with httpx.Client(base_url=runtime.url, timeout=600) as client:
             input_ids, chunks = prompt()

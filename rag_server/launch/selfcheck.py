@@ -210,11 +210,16 @@ async def self_check(client: httpx.AsyncClient, layout: PromptLayout, unavailabl
     return await SelfCheck(client, layout, unavailable).run()
 
 
-def run_self_check(runtime_url: str, tokenizer_dir: Path, unavailable: Mapping[str, str]) -> SelfCheckReport:
-    """The self-check against the runtime at `runtime_url`, logged check by check."""
+def self_check_layout(tokenizer_dir: Path) -> PromptLayout:
+    """The prompt layout the self-check links with: the served model's tokenizer (a few seconds
+    of imports the first time in a process, so `picrag serve` loads it while the runtime starts)."""
     from transformers import AutoTokenizer
 
-    layout = PromptLayout(AutoTokenizer.from_pretrained(tokenizer_dir))
+    return PromptLayout(AutoTokenizer.from_pretrained(tokenizer_dir))
+
+
+def run_self_check(runtime_url: str, layout: PromptLayout, unavailable: Mapping[str, str]) -> SelfCheckReport:
+    """The self-check against the runtime at `runtime_url`, logged check by check."""
 
     async def run() -> SelfCheckReport:
         async with httpx.AsyncClient(base_url=runtime_url, timeout=REQUEST_TIMEOUT_S) as client:
