@@ -193,7 +193,7 @@ def _serve_engines(args: argparse.Namespace) -> int:
     preload = ThreadPoolExecutor(max_workers=1, thread_name_prefix="picrag-preload")
     try:
         # The runtime's start keeps about one core busy: the frontend's own imports and loads run
-        # beside it on another (about 4 s on 2 CPU cores that otherwise came after it).
+        # beside it on another (about 3.5 s on 2 CPU cores, which otherwise came after it).
         layout = None if args.no_selfcheck else preload.submit(self_check_layout, model_path)
         if index_dir is not None:
             preload.submit(import_module, "sentence_transformers")

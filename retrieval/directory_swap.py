@@ -39,7 +39,7 @@ class DirectorySwapError(Exception):
 def replace_directory(directory: str | Path, fill: Callable[[Path], None], owned: Collection[str]) -> None:
     """Make `directory` hold exactly what `fill(path)` writes into an empty folder. Refuses a
     directory holding entries not named in `owned`: they would be deleted with the old contents."""
-    directory = real_directory(directory)
+    directory = real_directory(directory)  # a symlinked directory is replaced where it is; the link stays
     with directory_lock(directory):
         _remove_stale_swaps(directory)
         existing = sorted(os.listdir(directory)) if directory.is_dir() else None
