@@ -131,6 +131,7 @@ def _serve_engines(args: argparse.Namespace) -> int:
     from rag_server.launch.model_check import ModelUnservable, served_model_traits
     from rag_server.launch.repair_checkpoint import choose_repair_checkpoint
     from rag_server.service.quality import QualitySettings
+    from rag_server.linking.chunk_discovery import DiscoverySettings
     from rag_server.service.shadow import ShadowSettings
     from rag_server.launch.selfcheck import run_self_check, self_check_layout
     from rag_server.linking.reuse_gate import ReuseGate
@@ -224,6 +225,8 @@ def _serve_engines(args: argparse.Namespace) -> int:
                          quality=QualitySettings(args.quality_target, args.calibration, repair_checkpoint,
                                                  ShadowSettings(rate=args.shadow_rate)),
                          pass_unlisted_fields=args.pass_unlisted_fields,
+                         discovery=DiscoverySettings(args.discover_chunks == "on", args.discover_min_chunk_tokens,
+                                                     args.discover_min_linked_tokens),
                          client_idle_timeout_s=args.client_idle_timeout, watchdog_timeout_s=watchdog_timeout,
                          # Off the event loop: stopping the runtime waits for its processes.
                          on_stall=lambda reason: threading.Thread(target=give_up, args=(reason,)).start())
@@ -305,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     from rag_server.linking.reuse_gate import DEFAULT_FAILURE_ACTION, FAILURE_ACTIONS
     from retrieval import default_corpus
     from rag_server.service.shadow import DEFAULT_SHADOW_RATE
+    from rag_server.linking.chunk_discovery import DEFAULT_MIN_CHUNK_TOKENS, DEFAULT_MIN_LINKED_TOKENS
 
     serve = commands.add_parser(
         "serve", help="start the SGLang runtime and the picrag HTTP frontend",
@@ -439,6 +443,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="forward request fields the typed allowlist does not list to the runtime, for "
                        "trusted clients (default: 400 naming the field; listed fields keep their bounds either "
                        "way, and the engine holds its own; docs/security.md)")
+    serve.add_argument("--discover-chunks", choices=["on", "off"], default="on",
+                       help="find the passages inside whole prompts (OpenAI chat and completions, /generate "
+                       "without hints) and link them under the default policy; a body opts out with "
+                       "\"picrag\": {\"discover\": false} (default on; docs/frontend.md)")
+    serve.add_argument("--discover-min-chunk-tokens", type=_positive_int, default=DEFAULT_MIN_CHUNK_TOKENS,
+                       metavar="N", help="a paragraph of fewer tokens is no passage of its own: it joins the "
+                       f"next one, or stays ordinary prompt (default {DEFAULT_MIN_CHUNK_TOKENS})")
+    serve.add_argument("--discover-min-linked-tokens", type=_positive_int, default=DEFAULT_MIN_LINKED_TOKENS,
+                       metavar="N", help="a prompt with fewer passage tokens found is left to the prefix cache "
+                       f"(default {DEFAULT_MIN_LINKED_TOKENS})")
     serve.add_argument("--quality-target", type=_non_negative_float, default=DEFAULT_QUALITY_TARGET, metavar="KL",
                        help="policy `auto` serves each request with the cheapest policy whose expected "
                        "first-token KL to full, for a prompt of its size, is at most KL (full when none is; "

@@ -29,6 +29,7 @@ from rag_server.api.request_stats import RequestStats
 from rag_server.api.state import Frontend, FrontendSettings
 from rag_server.api.upstream import UpstreamTimeouts
 from rag_server.api.validation_errors import validation_error
+from rag_server.linking.chunk_discovery import DiscoverySettings
 from rag_server.linking.policy_resolver import PolicyResolver
 from rag_server.service.quality import QualitySettings
 
@@ -49,6 +50,7 @@ def create_app(
     health_interval_s: float = DEFAULT_INTERVAL_S,
     quality: QualitySettings = QualitySettings(),
     pass_unlisted_fields: bool = False,
+    discovery: DiscoverySettings = DiscoverySettings(),
     client_idle_timeout_s: float = DEFAULT_CLIENT_IDLE_TIMEOUT_S,
     watchdog_timeout_s: float | None = None,
     on_stall: Callable[[str], None] | None = None,
@@ -65,12 +67,13 @@ def create_app(
     and fallback of link policies (rag_server/linking/policy_resolver.py; None: the default
     resolver, every policy served). `quality`: the `auto` policy's target and table, and shadow
     sampling (rag_server/service/quality.py). `pass_unlisted_fields`: forward body fields the allowlist does not list
-    (rag_server/api/forwarded_bodies.py). `client_idle_timeout_s`: how long a client may stall
+    (rag_server/api/forwarded_bodies.py). `discovery`: finding passages in whole prompts
+    (rag_server/linking/chunk_discovery.py). `client_idle_timeout_s`: how long a client may stall
     its body or its answer (rag_server/api/client_timeouts.py). `watchdog_timeout_s`: a scheduler
     with work and no progress for this long makes /health 503 and calls `on_stall`
     (rag_server/api/progress_watchdog.py; None: no watchdog)."""
     settings = FrontendSettings(runtime_url, policies or PolicyResolver.start(), model_path, index_dir, timeouts,
-                                quality, pass_unlisted_fields=pass_unlisted_fields)
+                                quality, pass_unlisted_fields=pass_unlisted_fields, discovery=discovery)
 
     app = FastAPI(title="picrag", version="0.1.0", lifespan=lambda app: _running(app, settings))
     watchdog = None if watchdog_timeout_s is None else ProgressWatchdog(

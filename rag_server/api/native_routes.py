@@ -28,10 +28,12 @@ from fastapi.responses import JSONResponse
 from rag_server.api.admission import take_sequences
 from rag_server.api.chunk_markers import link_marked_payload
 from rag_server.api.client_fields import client_link, refused_field
+from rag_server.api.discovery_control import control_of, header_of, without_control
 from rag_server.api.forwarded_bodies import GenerateBody, parse_forwarded
 from rag_server.api.proxy import forward, forwarded_headers, json_object, relay
 from rag_server.api.state import Frontend, frontend
 from rag_server.linking.pipeline import GenerationError
+from rag_server.service.prompt_discovery import CONTROL_FIELD, DiscoveredPrompt, DiscoveryControl
 from rag_server.service.shadow import ShadowSampler
 from picrag_core.link_hints import LinkHintError, LinkRequest, parse_link_request
 from sglang_patches.sampling_guard import chunk_count_error
@@ -52,7 +54,11 @@ async def generate(request: Request) -> Response:
     if payload is None:
         return await forward(request, body)
     state = frontend(request)
-    parsed, refused = parse_forwarded(GenerateBody, payload, state.forward_limits)
+    control, refused = control_of(payload)
+    if CONTROL_FIELD in payload:
+        payload = without_control(payload)
+        body = json.dumps(payload).encode()
+    parsed, refused = (None, refused) if refused else parse_forwarded(GenerateBody, payload, state.forward_limits)
     refused = refused or refused_field(payload, len(state.rag.tokenizer))
     if refused:
         return _error(400, refused, "invalid_request")
@@ -64,7 +70,13 @@ async def generate(request: Request) -> Response:
         marked = await asyncio.to_thread(link_marked_payload, payload, state.rag.layout.encode,
                                          state.special_prefix, state.rag.policies.default.policy)
         if marked is None:
-            return await forward(request, body)
+            found = await asyncio.to_thread(_discovered, state, payload, control)
+            if found is None:
+                return await forward(request, body)
+            link = LinkRequest.of(found.policy.policy, found.found.chunks)
+            response = await _linked(request, {**_without_prompt(payload), "input_ids": found.input_ids}, link, state)
+            response.headers.update(header_of(found))
+            return response
         payload, body = marked, json.dumps(marked).encode()
     try:
         link = body_link(payload["kv_hints"])
@@ -75,6 +87,21 @@ async def generate(request: Request) -> Response:
     if link.compile:
         return await _compile(request, body, payload, state)
     return await _linked(request, payload, link, state)
+
+
+def _without_prompt(payload: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in payload.items() if key not in ("text", "input_ids")}
+
+
+def _discovered(state: Frontend, payload: dict[str, Any], control: DiscoveryControl) -> Optional[DiscoveredPrompt]:
+    """The passages found in one prompt sent as `text` or flat `input_ids` (a batch is left to the
+    prefix cache: one link describes one prompt)."""
+    text, input_ids = payload.get("text"), payload.get("input_ids")
+    if isinstance(text, str) and input_ids is None:
+        return state.discovery.text(text, control)
+    if text is None and isinstance(input_ids, list) and input_ids and all(isinstance(t, int) for t in input_ids):
+        return state.discovery.token_ids(input_ids, control)
+    return None
 
 
 def body_link(kv_hints: Any) -> Optional[LinkRequest]:

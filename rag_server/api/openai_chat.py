@@ -16,6 +16,8 @@ reuse counters, timings, policy); streamed, it rides on the chunk carrying `fini
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,14 +29,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rag_server.api.admission import take_sequences
 from rag_server.api.client_fields import refused_field
+from rag_server.api.discovery_control import control_of, header_of, is_control, without_control
 from rag_server.api.forwarded_bodies import ChatBody, CompletionBody, OpenAISampling, Stop, parse_forwarded
 from rag_server.api.message_limits import MAX_MESSAGES, message_limit_error
 from rag_server.api.proxy import forward, json_object
 from rag_server.api.rag_api import (MAX_DOCUMENTS, MAX_NEW_TOKENS, MAX_QUESTION_CHARS, MAX_TOP_K, Document,
                                     PolicyName, RagAnswer, sse)
-from rag_server.api.state import frontend
+from rag_server.api.state import Frontend, frontend
 from rag_server.linking.pipeline import GenerationError
 from rag_server.linking.policy_resolver import NamedPolicy
+from rag_server.service.prompt_discovery import COMPLETION_MAX_TOKENS, CONTROL_FIELD, DiscoveredPrompt
 from rag_server.service.rag_service import RagPlan, RagRequest, RagRequestError, RagResult, RagService
 
 # Without max_tokens an OpenAI model may use the whole window; a RAG answer needs far less,
@@ -143,45 +147,83 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions", include_in_schema=False)
 async def chat_completions(request: Request) -> Response:
-    """SGLang's chat endpoint, or RAG when the body carries a `picrag` field."""
+    """SGLang's chat endpoint, or RAG when the body carries a `picrag` extension, or a linked
+    prompt when its passages are found in the messages (rag_server/service/prompt_discovery.py)."""
     body, payload = await json_object(request)
     if payload is None:
         return await forward(request, body)
     too_many = message_limit_error(payload)
     if too_many:
         return openai_error(400, too_many)
-    if "picrag" not in payload:
-        return await _forwarded(request, body, ChatBody, payload, payload)
     state = frontend(request)
-    return await rag_chat_completion(state.rag, payload, state.model_name)
+    if "picrag" in payload and not is_control(payload["picrag"]):
+        return await rag_chat_completion(state.rag, payload, state.model_name)
+    control, refused = control_of(payload)
+    plain = without_control(payload)
+    refused = refused or await _checked(request, ChatBody, plain, plain)
+    if refused:
+        return refused if isinstance(refused, Response) else openai_error(400, refused)
+    found = await asyncio.to_thread(state.discovery.chat, plain, control)
+    if found is None:
+        return await forward(request, body if CONTROL_FIELD not in payload else _json(plain))
+    return await _discovered_chat(state, plain, found)
 
 
 @router.post("/v1/completions", include_in_schema=False)
 async def completions(request: Request) -> Response:
     """SGLang's completions endpoint, after the client-field checks `/generate` has (a token
-    prompt is checked like `input_ids`)."""
+    prompt is checked like `input_ids`), or a linked prompt when its passages are found in it."""
     body, payload = await json_object(request)
     if payload is None:
         return await forward(request, body)
-    prompt = payload.get("prompt")
+    control, refused = control_of(payload)
+    plain = without_control(payload)
+    prompt = plain.get("prompt")
     token_prompt = prompt if isinstance(prompt, list) and all(not isinstance(p, str) for p in prompt) else None
-    return await _forwarded(request, body, CompletionBody, payload,
-                            {"extra_key": payload.get("extra_key"), "input_ids": token_prompt}, "prompt")
+    refused = refused or await _checked(request, CompletionBody, plain,
+                                        {"extra_key": plain.get("extra_key"), "input_ids": token_prompt}, "prompt")
+    if refused:
+        return refused if isinstance(refused, Response) else openai_error(400, refused)
+    state = frontend(request)
+    found = None
+    if state.discovery.completion_fields(plain):
+        found = await asyncio.to_thread(state.discovery.text, plain["prompt"], control)
+    if found is None:
+        return await forward(request, body if CONTROL_FIELD not in payload else _json(plain))
+    return await _discovered_completion(state, plain, found)
 
 
-async def _forwarded(request: Request, body: bytes, body_type: type[OpenAISampling], payload: dict[str, Any],
-                     sglang_fields: dict[str, Any], prompt_field: str = "input_ids") -> Response:
-    """`body` forwarded as sent once its allowlist model and the client-field checks (on
-    `sglang_fields`, its prompt spelled `prompt_field`) passed, its sequences counted."""
+def _json(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload).encode()
+
+
+async def _checked(request: Request, body_type: type[OpenAISampling], payload: dict[str, Any],
+                   sglang_fields: dict[str, Any], prompt_field: str = "input_ids") -> Response | str | None:
+    """Why `payload` is refused (its allowlist model, the client-field checks on `sglang_fields`,
+    its prompt spelled `prompt_field`), or the busy answer; None once its sequences are counted."""
     state = frontend(request)
     parsed, refused = parse_forwarded(body_type, payload, state.forward_limits)
     if not refused:
         refused = refused_field(sglang_fields, len(state.rag.tokenizer))
         refused = refused and refused.replace("input_ids", prompt_field, 1)
     if refused:
-        return openai_error(400, refused)
-    busy = take_sequences(request, parsed.sequences(), "n")
-    return busy or await forward(request, body)
+        return refused
+    return take_sequences(request, parsed.sequences(), "n")
+
+
+async def _discovered_chat(state: Frontend, payload: dict[str, Any], found: DiscoveredPrompt) -> Response:
+    discovery = state.discovery
+    try:
+        plan = discovery.plan(found, discovery.chat_sampling(payload),
+                              payload.get("max_completion_tokens") or payload.get("max_tokens"))
+    except RagRequestError as exc:
+        return openai_error(400, str(exc))
+    options = payload.get("stream_options") or {}
+    response = await chat_response(state.rag, plan, payload.get("model") or state.model_name,
+                                   bool(payload.get("stream")), bool(options.get("include_usage")),
+                                   {"discovered": found.report()})
+    response.headers.update(header_of(found))
+    return response
 
 
 async def rag_chat_completion(service: RagService, payload: dict[str, Any], model_name: str) -> Response:
@@ -192,11 +234,17 @@ async def rag_chat_completion(service: RagService, payload: dict[str, Any], mode
         return openai_error(400, _validation_message(exc))
     except RagRequestError as exc:
         return openai_error(400, str(exc))
+    include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
+    return await chat_response(service, plan, chat.model or model_name, chat.stream, include_usage)
+
+
+async def chat_response(service: RagService, plan: RagPlan, model: str, stream: bool, include_usage: bool,
+                        extra: dict[str, Any] | None = None) -> Response:
+    """The chat completion (a stream of chunks, or one object) that answers `plan`; its
+    `picrag` object holds the reuse report, and `extra` besides."""
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-    model = chat.model or model_name
-    if chat.stream:
-        include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
-        return StreamingResponse(_stream(service, plan, completion_id, model, include_usage),
+    if stream:
+        return StreamingResponse(_stream(service, plan, completion_id, model, include_usage, extra or {}),
                                  media_type="text/event-stream")
     try:
         result = await service.answer(plan)
@@ -214,12 +262,66 @@ async def rag_chat_completion(service: RagService, payload: dict[str, Any], mode
             "logprobs": None,
         }],
         "usage": _openai_usage(result),
-        "picrag": _picrag_extra(plan, result),
+        "picrag": {**_picrag_extra(plan, result), **(extra or {})},
     })
 
 
+async def _discovered_completion(state: Frontend, payload: dict[str, Any], found: DiscoveredPrompt) -> Response:
+    discovery = state.discovery
+    try:
+        plan = discovery.plan(found, discovery.completion_sampling(payload),
+                              payload.get("max_tokens", COMPLETION_MAX_TOKENS))
+    except RagRequestError as exc:
+        return openai_error(400, str(exc))
+    model = payload.get("model") or state.model_name
+    extra = {"discovered": found.report()}
+    completion_id = f"cmpl-{uuid.uuid4().hex}"
+    if payload.get("stream"):
+        options = payload.get("stream_options") or {}
+        response: Response = StreamingResponse(
+            _completion_stream(state.rag, plan, completion_id, model, bool(options.get("include_usage")), extra),
+            media_type="text/event-stream")
+    else:
+        try:
+            result = await state.rag.answer(plan)
+        except GenerationError as exc:
+            return openai_error(exc.status, str(exc),
+                                "server_error" if exc.status >= 500 else "invalid_request_error")
+        response = JSONResponse({
+            "id": completion_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": result.answer, "logprobs": None, "finish_reason": result.finish_reason}],
+            "usage": _openai_usage(result),
+            "picrag": {**_picrag_extra(plan, result), **extra},
+        })
+    response.headers.update(header_of(found))
+    return response
+
+
+async def _completion_stream(service: RagService, plan: RagPlan, completion_id: str, model: str,
+                             include_usage: bool, extra: dict[str, Any]) -> AsyncIterator[bytes]:
+    created = int(time.time())
+
+    def chunk(text: str, finish_reason: str | None = None, **more: Any) -> bytes:
+        return sse({"id": completion_id, "object": "text_completion", "created": created, "model": model,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+                    **more})
+
+    try:
+        async for event in service.run(plan):
+            if isinstance(event, RagResult):
+                yield chunk("", event.finish_reason, picrag={**_picrag_extra(plan, event), **extra})
+                if include_usage:
+                    yield sse({"id": completion_id, "object": "text_completion", "created": created, "model": model,
+                               "choices": [], "usage": _openai_usage(event)})
+            else:
+                yield chunk(event)
+    except GenerationError as exc:
+        yield sse({"error": {"message": str(exc), "type": "server_error", "code": exc.status}})
+    yield b"data: [DONE]\n\n"
+
+
 async def _stream(
-    service: RagService, plan: RagPlan, completion_id: str, model: str, include_usage: bool
+    service: RagService, plan: RagPlan, completion_id: str, model: str, include_usage: bool, extra: dict[str, Any]
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
 
@@ -234,7 +336,7 @@ async def _stream(
     try:
         async for event in service.run(plan):
             if isinstance(event, RagResult):
-                yield chunk({}, event.finish_reason, picrag=_picrag_extra(plan, event))
+                yield chunk({}, event.finish_reason, picrag={**_picrag_extra(plan, event), **extra})
                 if include_usage:
                     yield sse({"id": completion_id, "object": "chat.completion.chunk", "created": created,
                                "model": model, "choices": [], "usage": _openai_usage(event)})

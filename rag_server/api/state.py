@@ -14,8 +14,10 @@ from fastapi import Request
 
 from rag_server.api.chunk_markers import leading_special_tokens
 from rag_server.api.forwarded_bodies import ForwardLimits
+from rag_server.service.prompt_discovery import PromptDiscovery, generation_defaults
 from rag_server.api.upstream import UpstreamTimeouts, runtime_client
 from rag_server.linking.chunk_compiler import ChunkCompiler
+from rag_server.linking.chunk_discovery import DiscoverySettings
 from rag_server.linking.pipeline import LinkPipeline
 from rag_server.linking.policy_resolver import PolicyResolver
 from rag_server.service.context_window import ContextLimits
@@ -32,6 +34,7 @@ class FrontendSettings:
     timeouts: UpstreamTimeouts = UpstreamTimeouts()  # every call to the runtime
     quality: QualitySettings = QualitySettings()  # `auto` and shadow sampling
     pass_unlisted_fields: bool = False  # forward fields the allowlist does not list (trusted clients)
+    discovery: DiscoverySettings = DiscoverySettings()  # passages found in whole prompts
 
 
 @dataclass
@@ -42,6 +45,7 @@ class Frontend:
     model_name: str
     special_prefix: list[int]  # what the tokenizer puts before any text (chunk-marked prompts)
     forward_limits: ForwardLimits  # what a body forwarded to the runtime is checked against
+    discovery: PromptDiscovery  # chat, completions and /generate prompts with passages inside
 
     @classmethod
     async def open(cls, settings: FrontendSettings) -> Frontend:
@@ -53,10 +57,11 @@ class Frontend:
             retriever = await asyncio.to_thread(_open_index, settings.index_dir) if settings.index_dir else None
             pipeline = LinkPipeline(client, ChunkCompiler(client), sink_token=tokenizer.bos_token_id,
                                     policies=settings.policies)
+            server_info = (await client.get("/get_server_info")).json()
             rag = RagService(
                 tokenizer,
                 pipeline,
-                await _context_limits(client, model_dir),
+                _context_limits(server_info, model_dir),
                 retriever=retriever,
                 policies=settings.policies,
                 quality=await asyncio.to_thread(QualityControl.open, settings.quality, model_dir, pipeline),
@@ -64,9 +69,11 @@ class Frontend:
         except BaseException:
             await client.aclose()
             raise
-        return cls(client, pipeline, rag, info.get("served_model_name") or info["model_path"],
-                   leading_special_tokens(tokenizer),
-                   ForwardLimits(rag.limits.context_length, settings.pass_unlisted_fields))
+        special_prefix = leading_special_tokens(tokenizer)
+        chat_defaults = await asyncio.to_thread(generation_defaults, model_dir, server_info.get("sampling_defaults"))
+        return cls(client, pipeline, rag, info.get("served_model_name") or info["model_path"], special_prefix,
+                   ForwardLimits(rag.limits.context_length, settings.pass_unlisted_fields),
+                   PromptDiscovery(rag, settings.discovery, special_prefix, chat_defaults))
 
     async def aclose(self) -> None:
         await self.rag.quality.shadow.aclose()
@@ -77,8 +84,7 @@ def frontend(request: Request) -> Frontend:
     return request.app.state.frontend
 
 
-async def _context_limits(client: httpx.AsyncClient, model_path: Path) -> ContextLimits:
-    server_info = (await client.get("/get_server_info")).json()
+def _context_limits(server_info: dict, model_path: Path) -> ContextLimits:
     context_length = server_info.get("context_length")
     if not context_length:  # not set on the command line: the model's own
         config = json.loads((model_path / "config.json").read_text())

@@ -42,10 +42,17 @@ RAG = "rag"  # /rag/query with inline documents
 CHAT = "chat"  # /v1/chat/completions with the picrag extension
 COMPILE = "compile"  # a picrag.compile action sent to the frontend (an attacker; answers nothing)
 ENGINE_COMPILE = "engine_compile"  # the same, straight to the runtime
-ROUTES = (GENERATE, ENGINE, RAG, CHAT, COMPILE, ENGINE_COMPILE)
+# Unannotated prompts whose passages the frontend finds itself (rag_server/linking/chunk_discovery.py):
+# the passages as paragraphs of the message or text, the policy in the body's discovery control.
+PLAIN_CHAT = "plain_chat"  # /v1/chat/completions, documents inside the user message
+PLAIN_COMPLETION = "plain_completion"  # /v1/completions with a text prompt
+PLAIN_GENERATE = "plain_generate"  # /generate with `text` and no hints
+ROUTES = (GENERATE, ENGINE, RAG, CHAT, COMPILE, ENGINE_COMPILE, PLAIN_CHAT, PLAIN_COMPLETION, PLAIN_GENERATE)
 # How often each route is drawn: mostly linked /generate, where every client field applies.
-ROUTE_WEIGHTS = {GENERATE: 0.4, ENGINE: 0.2, RAG: 0.1, CHAT: 0.08, COMPILE: 0.1, ENGINE_COMPILE: 0.12}
+ROUTE_WEIGHTS = {GENERATE: 0.32, ENGINE: 0.16, RAG: 0.08, CHAT: 0.06, COMPILE: 0.08, ENGINE_COMPILE: 0.1,
+                 PLAIN_CHAT: 0.07, PLAIN_COMPLETION: 0.05, PLAIN_GENERATE: 0.08}
 TEXT_ROUTES = (RAG, CHAT)
+PLAIN_ROUTES = (PLAIN_CHAT, PLAIN_COMPLETION, PLAIN_GENERATE)
 COMPILE_ROUTES = (COMPILE, ENGINE_COMPILE)
 EXTRA_KEYS = ("tenant-a", "tenant-b")
 
@@ -241,12 +248,36 @@ class Generator:
                 chunks.append(passage)
         return Prompt(head, tuple(chunks), rng.choice(self.corpus.questions))
 
+    def _plain_prompt(self, family: Sequence[tuple[int, ...]]) -> Prompt:
+        """A prompt of 4-7 passages, repeats and other families' included, some split in two
+        paragraphs; often one the episode sent before."""
+        rng = self.rng
+        if self._used and rng.random() < 0.4:
+            return rng.choice(self._used)
+        chunks: list[tuple[int, ...]] = []
+        for _ in range(rng.randint(4, 7)):
+            passage = rng.choice(family) if rng.random() < 0.8 else rng.choice(rng.choice(self.corpus.families))
+            if rng.random() < 0.2:
+                cut = rng.randint(4, len(passage) - 4)
+                chunks += [passage[:cut], passage[cut:]]
+            else:
+                chunks.append(passage)
+        prompt = Prompt(rng.choice(self.corpus.heads), tuple(chunks), rng.choice(self.corpus.questions))
+        self._used.append(prompt)
+        return prompt
+
     def request(self, family: Sequence[tuple[int, ...]], policy: str) -> Request:
         rng = self.rng
         routes = self.settings.routes
         route = rng.choices(routes, [ROUTE_WEIGHTS[r] for r in routes])[0]
         if route in COMPILE_ROUTES:
             return self._compile(route, family)
+        if route in PLAIN_ROUTES:
+            # Enough passages for discovery's thresholds: shared, repeated, split into paragraphs.
+            prompt = self._plain_prompt(family)
+            logprobs = Logprobs(return_logprob=True, top=5) if route == PLAIN_GENERATE and rng.random() < 0.5 \
+                else Logprobs()
+            return Request(route, policy, (prompt,), logprobs=logprobs, max_new_tokens=self.settings.max_new_tokens)
         if route in TEXT_ROUTES:
             if policy == VANILLA:
                 policy = "prefix"

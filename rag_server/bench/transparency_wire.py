@@ -5,7 +5,8 @@ A request becomes the HTTP calls a client of its route makes: the frontend's `/g
 prompt reordered with `"layout": "legolink"`); the runtime's `/generate`, after a
 `picrag.compile` of the pieces the link reads (what the frontend does for its clients, with
 link_hints.runtime_request's order and hint); `/rag/query` and the chat route with the passages
-inline. An answer keeps what the invariant compares: the status, each prompt's output ids (text
+inline; the plain routes (chat, completions, `/generate` text) with the passages as paragraphs
+of the prompt, found by the frontend. An answer keeps what the invariant compares: the status, each prompt's output ids (text
 on the RAG routes), and every first-token log-probability the response carried.
 """
 
@@ -19,8 +20,9 @@ from typing import Any, Optional
 import httpx
 import numpy as np
 
-from rag_server.bench.transparency_requests import (CHAT, COMPILE_ROUTES, ENGINE, ENGINE_COMPILE, RAG, VANILLA, Prompt,
-                                                    Request, Words)
+from rag_server.bench.transparency_requests import (CHAT, COMPILE_ROUTES, ENGINE, ENGINE_COMPILE, PLAIN_CHAT,
+                                                    PLAIN_COMPLETION, PLAIN_ROUTES, RAG, VANILLA, Prompt, Request,
+                                                    Words)
 from rag_server.linking.chunk_compiler import compile_request, segments_to_compile
 from picrag_core.engine_report import FIRST_TOKEN_KEY as FULL_LOGPROBS_KEY
 from picrag_core.engine_report import decode_floats as decode_logprobs
@@ -75,6 +77,8 @@ class Wire:
     def send(self, request: Request) -> Observation:
         if request.route in (RAG, CHAT):
             return self._text_route(request)
+        if request.route in PLAIN_ROUTES:
+            return self._plain_route(request)
         client = self.engine if request.route in (ENGINE, ENGINE_COMPILE) else self.frontend
         if client is None:
             raise ValueError(f"route {request.route} needs the runtime's URL")
@@ -146,6 +150,40 @@ class Wire:
         extension = data["picrag"]
         return Observation(200, (Answer(None, data["choices"][0]["message"]["content"], {},
                                         policy=extension["policy"], reuse=extension["usage"]),))
+
+
+    def plain_text(self, prompt: Prompt) -> tuple[str, str, str]:
+        """(head, passages, question) of an unannotated prompt: the passages as paragraphs."""
+        return (self.words.text(prompt.head), "\n\n".join(self.words.text(c) for c in prompt.chunks),
+                "Question: " + self.words.text(prompt.question))
+
+    def _plain_route(self, request: Request) -> Observation:
+        head, passages, question = self.plain_text(request.prompts[0])
+        control = {"discover": False} if request.policy == VANILLA else {"discover": True, "policy": request.policy}
+        sampling = {"max_tokens": request.max_new_tokens, "temperature": 0, "picrag": control}
+        if request.route == PLAIN_CHAT:
+            system = [{"role": "system", "content": head}] if head else []
+            response = self.frontend.post("/v1/chat/completions", json={
+                "messages": [*system, {"role": "user", "content": f"{passages}\n\n{question}"}], **sampling})
+            return _openai_observed(response, lambda choice: choice["message"]["content"])
+        text = f"{head}\n\n{passages}\n\n{question}\nAnswer:" if head else f"{passages}\n\n{question}\nAnswer:"
+        if request.route == PLAIN_COMPLETION:
+            return _openai_observed(self.frontend.post("/v1/completions", json={"prompt": text, **sampling}),
+                                    lambda choice: choice["text"])
+        body: dict[str, Any] = {"text": text, "picrag": control,
+                                "sampling_params": {"temperature": 0, "max_new_tokens": request.max_new_tokens}}
+        if request.logprobs.return_logprob:
+            body.update(return_logprob=True, top_logprobs_num=request.logprobs.top)
+        return _observed(self.frontend.post("/generate", json=body), expect_output=True)
+
+
+def _openai_observed(response: httpx.Response, text_of) -> Observation:
+    if response.status_code != 200:
+        return Observation(response.status_code, error=response.text[:300])
+    data = response.json()
+    extension = data.get("picrag") or {}
+    return Observation(200, (Answer(None, text_of(data["choices"][0]), {}, policy=extension.get("policy"),
+                                    reuse=extension.get("usage") or {}),))
 
 
 def _first_token(meta: dict[str, Any]) -> dict[int, float]:

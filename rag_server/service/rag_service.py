@@ -170,16 +170,28 @@ class RagService:
                 f"dropped {len(fitted.dropped)} of {len(candidates)} passages (lowest scores first) "
                 f"to fit the context window: {budget} prompt tokens with max_tokens={request.max_tokens}"
             )
-        reason = None
+        return self._served(RagPlan(request, fitted.prompt, fitted.kept, fitted.dropped, warnings, retrieval_ms,
+                                    started))
+
+    def plan_prompt(self, request: RagRequest, prompt: CompiledPrompt, started: float) -> RagPlan:
+        """The plan of a whole prompt whose passages were found in it (rag_server/linking/
+        chunk_discovery.py): no retrieval, no layout; the policy chosen as for any RAG prompt."""
+        self.policies.check(request.policy.family)
+        return self._served(RagPlan(request, prompt, [], [], [], 0.0, started))
+
+    def _served(self, plan: RagPlan) -> RagPlan:
+        """`plan` with the policy it is served with: `auto`'s choice for its prompt, then the
+        resolver's (a failed self-check may serve another), and why where it is not as asked."""
+        request = plan.request
         if request.policy.auto:
-            choice = self.quality.auto.choose(len(fitted.prompt.input_ids), self.policies.auto_excluded)
+            choice = self.quality.auto.choose(len(plan.prompt.input_ids), self.policies.auto_excluded)
             request = dataclasses.replace(request, policy=NamedPolicy.of(choice.policy))
-            reason = choice.reason
+            plan = dataclasses.replace(plan, request=request, policy_reason=choice.reason)
         served = self.policies.served(request.policy)
         if served.warning is not None:
-            warnings.append(served.warning)
-            request = dataclasses.replace(request, policy=served.policy)
-        return RagPlan(request, fitted.prompt, fitted.kept, fitted.dropped, warnings, retrieval_ms, started, reason)
+            plan = dataclasses.replace(plan, request=dataclasses.replace(request, policy=served.policy),
+                                       warnings=[*plan.warnings, served.warning])
+        return plan
 
     async def run(self, plan: RagPlan) -> AsyncIterator[str | RagResult]:
         """Text deltas as the runtime produces them, then the RagResult."""

@@ -1,0 +1,267 @@
+"""Finding reusable passages inside a whole prompt that nobody annotated.
+
+Chat apps, LangChain's and LlamaIndex's "stuff the documents" chains and every OpenAI client send
+their documents inside the message text. This module finds them in the prompt's own token ids
+(the ids SGLang would compute from the request, unchanged), so the link pipeline can serve them
+from the chunk store like annotated passages.
+
+How a prompt is cut:
+1. **Units.** The prompt is cut where a paragraph begins: at the whitespace run of a blank line
+   (two or more newlines), and at a single newline before a line that opens a document in the
+   forms RAG frameworks emit ("[3] ...", "Document ...", "Source: ...", "<document ...>", "---").
+   The break's whitespace leads the unit after it, because a tokenizer splits "\\n\\n" before a
+   word the same way alone and in context, and not at the end of a text. Special tokens (the
+   chat template's message boundaries) are never inside a unit: a unit lies inside one message.
+2. **Chunks.** A unit of at least `min_chunk_tokens` tokens is a chunk; a shorter one joins the
+   next chunk of its message (a title line, a source line), or stays ordinary prompt when no
+   chunk follows it in that message (the question, the answer cue).
+3. **Stable tokens.** A chunk is kept only if its text, tokenized alone, gives exactly the ids it
+   has in the prompt (its KV is computed alone, from those ids); otherwise it is merged with the
+   chunk after it and checked again, and one that never holds is left ordinary.
+4. **One run.** The engine grafts chunks that follow one another from the end of the prompt's
+   cached head, so the longest run of back-to-back chunks (by tokens) is the one linked; the
+   head before it (system prompt, chat template) stays on the prefix cache, and what follows it
+   is computed as the question is.
+
+Each chunk is keyed by all of its tokens (picrag_core.chunk_key), so only chunks whose whole
+token sequences are equal share KV: two passages that share windows, or a tiny vocabulary's
+look-alike passages, never do.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from sglang_patches.sampling_guard import MAX_CHUNK_SPANS
+
+# A line that opens a document in the formats common RAG frameworks and prompts emit.
+DOCUMENT_OPENER = re.compile(r"(?:\[\d{1,4}\]|(?:Document|Doc|Source|Passage|Context)\b|<doc|<document|---)",
+                             re.IGNORECASE)
+DEFAULT_MIN_CHUNK_TOKENS = 32
+# Fewer chunk tokens than this in the linked run: the prompt is left to the prefix cache (a
+# link's fixed costs, a compile round trip and the policy's own step, outweigh so little reuse).
+DEFAULT_MIN_LINKED_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class DiscoverySettings:
+    """`picrag serve --discover-chunks`, `--discover-min-chunk-tokens`, `--discover-min-linked-tokens`."""
+
+    enabled: bool = True
+    min_chunk_tokens: int = DEFAULT_MIN_CHUNK_TOKENS
+    min_linked_tokens: int = DEFAULT_MIN_LINKED_TOKENS
+    max_chunks: int = MAX_CHUNK_SPANS  # the engine's bound on chunk spans per link
+
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    """A prompt's token ids with, for each, the span of `text` it stands for, and which ids are
+    special (never part of a passage)."""
+
+    text: str
+    ids: tuple[int, ...]
+    offsets: tuple[tuple[int, int], ...]
+    special: frozenset[int]
+    # Character ranges of `text` that may hold passages (a chat's message contents; a plain
+    # text's stretches between special tokens, less a role line after one).
+    regions: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Discovered:
+    chunks: tuple[tuple[int, int], ...]  # token spans of the prompt, back to back
+    candidates: int  # chunks found before the run was chosen (for the usage report and logs)
+
+    @property
+    def chunk_tokens(self) -> int:
+        return sum(end - start for start, end in self.chunks)
+
+
+def _breaks(text: str) -> list[tuple[int, int]]:
+    """The character ranges where a unit may begin, in order: a blank line's whitespace run, and
+    the newline before a document-opening line."""
+    runs = {(m.start(), m.end()) for m in re.finditer(r"[ \t]*\n(?:[ \t]*\n)+", text)}
+    for match in re.finditer(r"\n(?=[ \t]*\S)", text):
+        if DOCUMENT_OPENER.match(text[match.end():match.end() + 16].lstrip(" \t")):
+            runs.add((match.start(), match.end()))
+    return sorted(runs)
+
+
+def _cut_tokens(prompt: TokenizedPrompt) -> set[int]:
+    """Token indices where a unit begins: for each break, the first token that starts inside it
+    or right after it (a tokenizer may fold the whitespace into the token before)."""
+    cuts = set()
+    breaks = _breaks(prompt.text)
+    index = 0
+    for token, (char_start, char_end) in enumerate(prompt.offsets):
+        if char_end <= char_start:  # special tokens and prefix ids span no text
+            continue
+        while index < len(breaks) and breaks[index][1] < char_start:
+            index += 1
+        if index < len(breaks) and breaks[index][0] <= char_start <= breaks[index][1]:
+            cuts.add(token)
+            index += 1
+    return cuts
+
+
+def _units(prompt: TokenizedPrompt) -> list[list[tuple[int, int]]]:
+    """Each region's units as token spans: a region is a stretch of passage text (a message's
+    content, or a text between special tokens less a role line) and a unit never leaves one."""
+    cuts = _cut_tokens(prompt)
+    regions: list[list[tuple[int, int]]] = []
+    units: list[tuple[int, int]] = []
+    start = None
+    current = None  # the region of the unit being built
+    for index, (token, span) in enumerate(zip(prompt.ids, prompt.offsets)):
+        region = None if token in prompt.special else _region_of(prompt.regions, span)
+        if region != current or (start is not None and index in cuts):
+            if start is not None:
+                units.append((start, index))
+            if region != current and units:
+                regions.append(units)
+                units = []
+            start = None
+            current = region
+        if region is not None and start is None:
+            start = index
+    if start is not None:
+        units.append((start, len(prompt.ids)))
+    if units:
+        regions.append(units)
+    return regions
+
+
+def _region_of(regions: Sequence[tuple[int, int]], span: tuple[int, int]):
+    for region in regions:
+        if region[0] <= span[0] and span[1] <= region[1] and span[1] > span[0]:
+            return region
+    return None
+
+
+def _chunks_of_message(units: Sequence[tuple[int, int]], min_tokens: int) -> list[tuple[int, int]]:
+    """Units of at least `min_tokens`, each with the short units before it joined on."""
+    chunks = []
+    pending = None  # the start of short units waiting for a chunk
+    for start, end in units:
+        if pending is None:
+            pending = start
+        if end - start >= min_tokens:
+            chunks.append((pending, end))
+            pending = None
+    return chunks
+
+
+def _stable(chunks: list[tuple[int, int]], prompt: TokenizedPrompt,
+            encode: Callable[[str], list[int]]) -> list[tuple[int, int]]:
+    """The chunks whose text tokenizes alone to their ids, a failing one merged with the chunk
+    right after it until it holds (or left out)."""
+    kept = []
+    index = 0
+    while index < len(chunks):
+        start, end = chunks[index]
+        while True:
+            text = prompt.text[prompt.offsets[start][0]:prompt.offsets[end - 1][1]]
+            if tuple(encode(text)) == prompt.ids[start:end]:
+                kept.append((start, end))
+                break
+            if index + 1 < len(chunks) and chunks[index + 1][0] == end:
+                index += 1
+                end = chunks[index][1]
+                continue
+            break
+        index += 1
+    return kept
+
+
+def _longest_run(chunks: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    runs: list[list[tuple[int, int]]] = []
+    for chunk in chunks:
+        if runs and runs[-1][-1][1] == chunk[0]:
+            runs[-1].append(chunk)
+        else:
+            runs.append([chunk])
+    return max(runs, key=lambda run: (sum(end - start for start, end in run), -run[0][0]), default=[])
+
+
+def discover(prompt: TokenizedPrompt, encode: Callable[[str], list[int]],
+             settings: DiscoverySettings = DiscoverySettings()) -> Discovered:
+    """The chunks a prompt's link reuses (none: leave it to the prefix cache). `encode` tokenizes
+    a text alone, without special tokens, as the prompt's tokenizer does."""
+    candidates = [chunk for units in _units(prompt)
+                  for chunk in _chunks_of_message(units, settings.min_chunk_tokens)]
+    run = _longest_run(_stable(candidates, prompt, encode))[:settings.max_chunks]
+    # The engine computes the prompt's last token itself (its logits start the answer): a run
+    # that reaches it would be cut there, so it ends before.
+    if run and run[-1][1] == len(prompt.ids):
+        run = run[:-1]
+    found = Discovered(tuple(run), len(candidates))
+    return found if found.chunk_tokens >= settings.min_linked_tokens else Discovered((), len(candidates))
+
+
+def tokenized(tokenizer, text: str, prefix_ids: Sequence[int] = (),
+              regions: Sequence[tuple[int, int]] | None = None) -> TokenizedPrompt | None:
+    """`text` tokenized with offsets by a fast tokenizer, after `prefix_ids` (special tokens the
+    tokenizer puts before a text); `regions`: where passages may lie (default: `text_regions`).
+    None where the tokenizer gives no offsets."""
+    if not getattr(tokenizer, "is_fast", False):
+        return None
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    prefix = tuple(prefix_ids)
+    ids = tuple(encoded["input_ids"])
+    offsets = tuple(tuple(span) for span in encoded["offset_mapping"])
+    special = special_ids(tokenizer)
+    if regions is None:
+        regions = text_regions(text, ids, offsets, special)
+    return TokenizedPrompt(text=text, ids=prefix + ids, offsets=((0, 0),) * len(prefix) + offsets,
+                           special=special, regions=tuple(regions))
+
+
+# A chat template's role line after a control token ("user\n", "assistant\n").
+_ROLE_LINE = re.compile(r"[ \t]*[A-Za-z_][\w-]{0,31}[ \t]*\n")
+
+
+def text_regions(text: str, ids: Sequence[int], offsets: Sequence[tuple[int, int]],
+                 special: frozenset[int]) -> list[tuple[int, int]]:
+    """A plain text's passage regions: the stretches between its special tokens, each less a
+    role line that opens it right after a special token (a chat rendered into the text)."""
+    bounds = [0]
+    for token, (start, end) in zip(ids, offsets):
+        if token in special:
+            bounds += [start, end]
+    bounds.append(len(text))
+    regions = []
+    for index in range(0, len(bounds), 2):
+        start, end = bounds[index], bounds[index + 1]
+        if index > 0:
+            role = _ROLE_LINE.match(text, start, end)
+            if role:
+                start = role.end()
+        if end > start:
+            regions.append((start, end))
+    return regions
+
+
+def content_regions(text: str, contents: Sequence[str]) -> list[tuple[int, int]]:
+    """Where each message content lies in a rendered chat, found in order (a content the
+    template rewrote is not found, and holds no passages)."""
+    regions = []
+    cursor = 0
+    for content in contents:
+        if not content:
+            continue
+        found = text.find(content, cursor)
+        if found >= 0:
+            regions.append((found, found + len(content)))
+            cursor = found + len(content)
+    return regions
+
+
+def special_ids(tokenizer) -> frozenset[int]:
+    """The tokenizer's special tokens (BOS, EOS, the chat template's control tokens)."""
+    ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    for token_id, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(token, "special", False):
+            ids.add(int(token_id))
+    return frozenset(ids)

@@ -1,0 +1,160 @@
+"""Finding passages inside whole prompts (rag_server/linking/chunk_discovery.py), on the default
+model's tokenizer: the rules every discovered link must keep, as properties over generated
+prompts, and the cases LMCache's users reported (seams that tokenize differently, identical
+windows, the system prompt)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rag_server.linking.chunk_discovery import (DiscoverySettings, TokenizedPrompt, content_regions, discover,
+                                                special_ids, text_regions, tokenized)
+
+WORDS = ("river", "city", "museum", "the", "of", "king", "built", "in", "1850", "north", "Paris", "war", "é", "🙂",
+         "data,", "(see", "note)", "U.S.", "e.g.", "x=1;", "\"quoted\"", "it's")
+SEPARATORS = ("\n\n", "\n\n\n", " \n\n", "\n \n", "\n\n---\n", "\n[1] ", "\nDocument 2: ", "\n")
+
+
+def chat_prompt(tokenizer, messages):
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt = tokenized(tokenizer, text, regions=content_regions(text, [m["content"] for m in messages]))
+    assert list(prompt.ids) == tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                             return_dict=False)
+    return prompt
+
+
+def encoder(tokenizer, dummy_prefix: bool = False):
+    """The tokenizer alone on a text; `dummy_prefix`: as SentencePiece tokenizers (Llama 2,
+    Mistral v0.1) encode it, with a space put before a text that starts without one, so that a
+    passage's ids alone differ from its ids in context."""
+    def encode(text: str) -> list[int]:
+        if dummy_prefix and not text.startswith(" "):
+            text = " " + text
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return encode
+
+
+def document(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words)) + rng.choice(("", ".", "!", ":"))
+
+
+def check_rules(prompt: TokenizedPrompt, found, encode, config: DiscoverySettings) -> None:
+    """What every discovered link must keep."""
+    previous_end = None
+    for start, end in found.chunks:
+        assert 0 <= start < end < len(prompt.ids), "inside the prompt, and never its last token"
+        assert previous_end is None or start == previous_end, "back to back: the engine grafts one run"
+        previous_end = end
+        assert not set(prompt.ids[start:end]) & prompt.special, "no message boundary inside a passage"
+        text = prompt.text[prompt.offsets[start][0]:prompt.offsets[end - 1][1]]
+        assert tuple(encode(text)) == prompt.ids[start:end], "its ids are the ones it gets when computed alone"
+        assert end - start >= config.min_chunk_tokens
+    assert not found.chunks or found.chunk_tokens >= config.min_linked_tokens
+    assert len(found.chunks) <= config.max_chunks
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), documents=st.integers(1, 6), min_chunk=st.sampled_from([4, 16, 32]),
+       dummy_prefix=st.booleans())
+def test_every_discovered_link_keeps_the_rules(tokenizer, seed, documents, min_chunk, dummy_prefix):
+    rng = random.Random(seed)
+    body = ""
+    for index in range(documents):
+        body += (rng.choice(SEPARATORS) if index else "") + document(rng, rng.randint(2, 60))
+    messages = [{"role": "system", "content": document(rng, rng.randint(0, 30))},
+                {"role": "user", "content": body + rng.choice(("", "\n\nQuestion: why?"))}]
+    config = DiscoverySettings(min_chunk_tokens=min_chunk, min_linked_tokens=min_chunk, max_chunks=4)
+    encode = encoder(tokenizer, dummy_prefix)
+    prompt = chat_prompt(tokenizer, messages)
+    check_rules(prompt, discover(prompt, encode, config), encode, config)
+    as_text = tokenized(tokenizer, prompt.text)  # the same chat sent as one text (/generate, completions)
+    check_rules(as_text, discover(as_text, encode, config), encode, config)
+
+
+def permutation_prompts(tokenizer, vocabulary: int, documents: int = 4, words: int = 100):
+    """LMCache's blend stress workload: a system prompt, then permutations of the same documents
+    in one user message, joined by blank lines."""
+    rng = random.Random(vocabulary)
+    pool = [f"{'bcdfg'[i % 5]}{'aeiou'[i % 3]}{i}" for i in range(vocabulary)]
+    docs = [" ".join(rng.choice(pool) for _ in range(words)) for _ in range(documents)]
+    system = " ".join(rng.choice(("the", "system", "will", "answer")) for _ in range(100))
+    for order in ([0, 1, 2, 3], [3, 1, 0, 2], [2, 3, 1, 0]):
+        yield order, docs, chat_prompt(tokenizer, [{"role": "system", "content": system},
+                                                   {"role": "user", "content": "\n\n".join(docs[i] for i in order)}])
+
+
+@pytest.mark.parametrize("vocabulary", [1000, 6])
+def test_a_document_has_one_key_wherever_it_moves(tokenizer, vocabulary):
+    """Every document of every permutation is found, the system prompt stays on the prefix cache,
+    and a document after the first has the same tokens in every position (one stored chunk); with
+    a 6-word vocabulary (identical windows everywhere) documents still share only with themselves."""
+    encode = encoder(tokenizer)
+    seen: dict[tuple[int, ...], int] = {}
+    for order, docs, prompt in permutation_prompts(tokenizer, vocabulary):
+        found = discover(prompt, encode)
+        check_rules(prompt, found, encode, DiscoverySettings())
+        assert len(found.chunks) == 4
+        assert "system" in prompt.text[:prompt.offsets[found.chunks[0][0]][0]], "the system prompt is the head"
+        for position, (start, end) in enumerate(found.chunks):
+            text = prompt.text[prompt.offsets[start][0]:prompt.offsets[end - 1][1]]
+            assert text.strip() == docs[order[position]]
+            if position:
+                tokens = prompt.ids[start:end]
+                assert seen.setdefault(tokens, order[position]) == order[position], "a chunk is one document's"
+    assert len(seen) == 4
+
+
+def test_short_paragraphs_join_the_passage_after_them_or_stay_prompt(tokenizer):
+    rng = random.Random(3)
+    docs = [document(rng, 50) for _ in range(3)]
+    user = "Context:\n\n" + "\n\n".join(f"Title {i}\n\n{doc}" for i, doc in enumerate(docs)) + "\n\nQuestion: who?"
+    prompt = chat_prompt(tokenizer, [{"role": "user", "content": user}])
+    found = discover(prompt, encoder(tokenizer))
+    texts = [prompt.text[prompt.offsets[s][0]:prompt.offsets[e - 1][1]] for s, e in found.chunks]
+    assert len(texts) == 3
+    assert texts[0].startswith("Context:") and texts[1].startswith("\n\nTitle 1\n\n")
+    assert all(doc in text for doc, text in zip(docs, texts))
+    assert "Question" not in "".join(texts), "the question after the last passage is computed, not reused"
+
+
+def test_a_prompt_with_too_little_to_reuse_is_left_alone(tokenizer):
+    prompt = chat_prompt(tokenizer, [{"role": "user", "content": "Name a colour.\n\nAnd a fruit."}])
+    assert discover(prompt, encoder(tokenizer)).chunks == ()
+
+
+def test_a_rendered_chat_in_a_text_keeps_role_lines_and_specials_out(tokenizer):
+    messages = [{"role": "system", "content": "You help."}, {"role": "user", "content": "a b c"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    regions = text_regions(text, encoded["input_ids"], encoded["offset_mapping"], special_ids(tokenizer))
+    assert [text[s:e] for s, e in regions] == ["You help.", "\n", "a b c", "\n"]
+    assert content_regions(text, ["You help.", "a b c"]) == [regions[0], regions[2]]
+
+
+def test_a_break_folded_into_the_token_before_cuts_after_it():
+    """Tokenizers such as Qwen's fold a blank line into the punctuation before it (".\\n\\n" one
+    token): the passage after starts with the next token, and the check of each chunk's own
+    tokenization decides what is kept."""
+    text = "aa bb.\n\ncc dd.\n\nee ff"
+    pieces = ["aa", " bb", ".\n\n", "cc", " dd", ".\n\n", "ee", " ff"]
+    vocabulary = {piece: index for index, piece in enumerate(pieces)}
+    offsets, cursor = [], 0
+    for piece in pieces:
+        offsets.append((cursor, cursor + len(piece)))
+        cursor += len(piece)
+
+    def encode(chunk: str) -> list[int]:  # greedy longest match over the pieces
+        ids, at = [], 0
+        while at < len(chunk):
+            piece = max((p for p in vocabulary if chunk.startswith(p, at)), key=len)
+            ids.append(vocabulary[piece])
+            at += len(piece)
+        return ids
+
+    prompt = TokenizedPrompt(text, tuple(vocabulary[p] for p in pieces), tuple(offsets), frozenset(), ((0, len(text)),))
+    found = discover(prompt, encode, DiscoverySettings(min_chunk_tokens=2, min_linked_tokens=2))
+    assert found.chunks == ((0, 3), (3, 6)), "cut after each folded break; the last passage ends the prompt"
