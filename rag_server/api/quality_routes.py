@@ -1,6 +1,7 @@
 """`GET /picrag/quality` (JSON) and `GET /picrag/metrics` (Prometheus): the first-token quality that
 shadow sampling measures on live traffic (rag_server/service/shadow.py), its cost, and how `auto`
-decides (rag_server/service/auto_policy.py); the metrics also count the frontend's relinks."""
+decides (rag_server/service/auto_policy.py); the metrics also count the frontend's relinks and
+the prompts it linked with passages it found in them."""
 
 from __future__ import annotations
 
@@ -30,11 +31,18 @@ async def quality(request: Request) -> dict[str, Any]:
 
 
 RELINKS_METRIC = "picrag_frontend_relinks_total"
+DISCOVERED_METRIC = "picrag_frontend_discovered_prompts_total"
+
+
+def _counter(name: str, help_text: str, value: int) -> str:
+    return f"# HELP {name} {help_text}\n# TYPE {name} counter\n{name} {value}\n"
 
 
 @router.get("/picrag/metrics")
 async def metrics(request: Request) -> Response:
     state = frontend(request)
-    relinks = (f"# HELP {RELINKS_METRIC} links sent again because a chunk was missing from the store\n"
-               f"# TYPE {RELINKS_METRIC} counter\n{RELINKS_METRIC} {state.pipeline.relinks}\n")
-    return Response(state.rag.quality.metrics.exposition() + relinks.encode(), media_type=CONTENT_TYPE_LATEST)
+    counters = (_counter(RELINKS_METRIC, "links sent again because a chunk was missing from the store",
+                         state.pipeline.relinks)
+                + _counter(DISCOVERED_METRIC, "chat, completions and /generate prompts linked with the passages "
+                           "found in them", state.discovery.found))
+    return Response(state.rag.quality.metrics.exposition() + counters.encode(), media_type=CONTENT_TYPE_LATEST)
