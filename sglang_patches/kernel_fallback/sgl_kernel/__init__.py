@@ -1,15 +1,32 @@
-"""picrag's pure-torch stand-in for `sgl_kernel` on CPUs without the real CPU build.
+"""picrag's pure-torch stand-in for `sgl_kernel`, where no real build imports.
 
 SGLang 0.5.23's CPU path imports two functions from `sgl_kernel` (the real CPU build is
 source-only AVX-512/AMX code; the PyPI `sglang-kernel` wheel needs libcuda). This module
-implements exactly those two in plain torch. It is put on sys.path by a .pth file only where
-no real `sgl_kernel` imports (see sglang_patches.kernel_fallback), and .pth entries come after
+implements exactly those two in plain torch. On CUDA (the lent GPU, whose torch 2.11 the
+`sglang-kernel` wheel, built for torch 2.14, does not load against) SGLang imports many more
+names: the element-wise ops its Llama/Qwen-style layers call are here in torch
+(sgl_kernel/elementwise.py), every other name is a stand-in that fails when called, naming the
+op (sgl_kernel/_unavailable.py). It is put on sys.path by a .pth file only where no real
+`sgl_kernel` imports (see sglang_patches.kernel_fallback), and .pth entries come after
 site-packages, so a real `sgl_kernel` installed later still wins.
 """
 
 import ctypes
 
 import torch
+
+# Absolute imports through picrag's package: tests load this file on its own, outside a package.
+from sglang_patches.kernel_fallback.sgl_kernel._unavailable import TOP_LEVEL, stand_ins
+from sglang_patches.kernel_fallback.sgl_kernel.elementwise import (  # noqa: F401 - sgl_kernel's API
+    fused_add_rmsnorm,
+    gelu_and_mul,
+    gelu_quick,
+    gelu_tanh_and_mul,
+    gemma_fused_add_rmsnorm,
+    gemma_rmsnorm,
+    rmsnorm,
+    silu_and_mul,
+)
 
 __version__ = "0.0.0+picrag.fallback"
 PICRAG_FALLBACK = True
@@ -47,22 +64,4 @@ def copy_all_layer_kv_cache_cpu(
             ctypes.memmove(ptr + tgt * stride, ptr + src * stride, stride)
 
 
-def _needs_real_kernel(name: str):
-    def unsupported(*_args, **_kwargs):
-        raise NotImplementedError(
-            f"sgl_kernel.{name} is not available in picrag's pure-torch fallback: speculative "
-            "decoding on CPU needs SGLang's real CPU kernel build (sgl-kernel from source)"
-        )
-
-    unsupported.__name__ = name
-    return unsupported
-
-
-# Imported unconditionally by SGLang's speculative-decoding modules on CPU, called only when
-# speculative decoding is enabled, which picrag does not do on CPU.
-build_tree_kernel_efficient_cpu = _needs_real_kernel("build_tree_kernel_efficient_cpu")
-verify_tree_greedy_cpu = _needs_real_kernel("verify_tree_greedy_cpu")
-fill_accept_out_cache_loc_cpu = _needs_real_kernel("fill_accept_out_cache_loc_cpu")
-fill_bonus_tokens_cpu = _needs_real_kernel("fill_bonus_tokens_cpu")
-assign_draft_cache_locs_contiguous_cpu = _needs_real_kernel("assign_draft_cache_locs_contiguous_cpu")
-assign_extend_cache_locs_cpu = _needs_real_kernel("assign_extend_cache_locs_cpu")
+globals().update(stand_ins("sgl_kernel", TOP_LEVEL))
