@@ -51,6 +51,7 @@ EOF
   # SGLang refuses to start on CUDA unless sglang-kernel's package metadata says >= 0.4.9.
   export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
   export MAX_JOBS=${MAX_JOBS:-16}  # FlashInfer's JIT builds its attention kernels with ninja
+  export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}  # the H200 alone: one build per kernel, FA3 included
   PY=python3
   tokenizer="$site/picrag-tokenizer"
 else
