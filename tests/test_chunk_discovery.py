@@ -121,6 +121,22 @@ def test_short_paragraphs_join_the_passage_after_them_or_stay_prompt(tokenizer):
     assert "Question" not in "".join(texts), "the question after the last passage is computed, not reused"
 
 
+def test_a_long_system_prompt_stays_on_the_prefix_cache(tokenizer):
+    """A system prompt longer than all the documents together is still the head: the prefix
+    cache serves it exactly; the documents in the user message are linked. Documents in the
+    system message, the question in the user's (a stuff-documents chain), are linked there."""
+    rng = random.Random(4)
+    system = document(rng, 400)
+    docs = [document(rng, 40) for _ in range(3)]
+    prompt = chat_prompt(tokenizer, [{"role": "system", "content": system},
+                                     {"role": "user", "content": "\n\n".join(docs)}])
+    found = discover(prompt, encoder(tokenizer))
+    assert len(found.chunks) == 3 and prompt.offsets[found.chunks[0][0]][0] > prompt.text.index(system) + len(system)
+    stuffed = chat_prompt(tokenizer, [{"role": "system", "content": "Use this context:\n\n" + "\n\n".join(docs)},
+                                      {"role": "user", "content": "Who?"}])
+    assert len(discover(stuffed, encoder(tokenizer)).chunks) == 3
+
+
 def test_a_prompt_with_too_little_to_reuse_is_left_alone(tokenizer):
     prompt = chat_prompt(tokenizer, [{"role": "user", "content": "Name a colour.\n\nAnd a fruit."}])
     assert discover(prompt, encoder(tokenizer)).chunks == ()

@@ -19,9 +19,10 @@ How a prompt is cut:
    has in the prompt (its KV is computed alone, from those ids); otherwise it is merged with the
    chunk after it and checked again, and one that never holds is left ordinary.
 4. **One run.** The engine grafts chunks that follow one another from the end of the prompt's
-   cached head, so the longest run of back-to-back chunks (by tokens) is the one linked; the
-   head before it (system prompt, chat template) stays on the prefix cache, and what follows it
-   is computed as the question is.
+   cached head, so one run of back-to-back chunks is linked: the longest (by tokens) outside the
+   prompt's first region (the system prompt, which the prefix cache serves exactly), else the
+   longest in it. The head before it (system prompt, chat template) stays on the prefix cache,
+   and what follows it is computed as the question is.
 
 Each chunk is keyed by all of its tokens (picrag_core.chunk_key), so only chunks whose whole
 token sequences are equal share KV: two passages that share windows, or a tiny vocabulary's
@@ -175,23 +176,30 @@ def _stable(chunks: list[tuple[int, int]], prompt: TokenizedPrompt,
     return kept
 
 
-def _longest_run(chunks: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def _chosen_run(chunks: list[tuple[int, int]], first_region_end: int) -> list[tuple[int, int]]:
+    """The run of back-to-back chunks to link: the longest (by tokens) outside the prompt's first
+    region, else the longest in it. The first region is where a system prompt sits, which the
+    prefix cache already serves exactly wherever it repeats: passages elsewhere (a user
+    message's documents) are what it cannot; a prompt's only passages may still be there (a
+    stuff-documents chain puts them in the system message)."""
     runs: list[list[tuple[int, int]]] = []
     for chunk in chunks:
         if runs and runs[-1][-1][1] == chunk[0]:
             runs[-1].append(chunk)
         else:
             runs.append([chunk])
-    return max(runs, key=lambda run: (sum(end - start for start, end in run), -run[0][0]), default=[])
+    return max(runs, key=lambda run: (run[0][0] >= first_region_end, sum(end - start for start, end in run),
+                                      -run[0][0]), default=[])
 
 
 def discover(prompt: TokenizedPrompt, encode: Callable[[str], list[int]],
              settings: DiscoverySettings = DiscoverySettings()) -> Discovered:
     """The chunks a prompt's link reuses (none: leave it to the prefix cache). `encode` tokenizes
     a text alone, without special tokens, as the prompt's tokenizer does."""
-    candidates = [chunk for units in _units(prompt)
-                  for chunk in _chunks_of_message(units, settings.min_chunk_tokens)]
-    run = _longest_run(_stable(candidates, prompt, encode))[:settings.max_chunks]
+    regions = _units(prompt)
+    candidates = [chunk for units in regions for chunk in _chunks_of_message(units, settings.min_chunk_tokens)]
+    first_region_end = regions[0][-1][1] if regions else 0
+    run = _chosen_run(_stable(candidates, prompt, encode), first_region_end)[:settings.max_chunks]
     # The engine computes the prompt's last token itself (its logits start the answer): a run
     # that reaches it would be cut there, so it ends before.
     if run and run[-1][1] == len(prompt.ids):
