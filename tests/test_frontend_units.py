@@ -260,6 +260,9 @@ def test_compiler_skips_pieces_it_compiled_and_forgets_them_on_flush():
     assert sent == [[[1, 2], [10, 11], [20, 21, 22]]]  # the head and both chunks, in one request
     asyncio.run(compiler.prepare(pieces, skip_known=True))  # all compiled before: nothing sent
     assert len(sent) == 1
+    moved = Pieces.of([1, 2, 30, 31, 10, 11, 9], LinkRequest.of("naive", [(2, 4), (4, 6)]))
+    asyncio.run(compiler.prepare(moved, skip_known=True))  # a new passage before a known one: only it is sent
+    assert sent.pop() == [[30, 31]]
     asyncio.run(compiler.prepare(pieces))  # without skip_known: always asks the engine
     compiler.forget()
     asyncio.run(compiler.prepare(pieces, skip_known=True))

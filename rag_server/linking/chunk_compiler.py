@@ -5,9 +5,9 @@ the frontend sends every chunk, and the head before the first chunk, as its own 
 `picrag.compile` request. A cached chunk costs one token; a missing one is computed alone at
 positions 0..n-1 and stored. Identical compiles in flight at the same time are sent once.
 
-The compiler remembers what it compiled. With `skip_known`, a prompt whose pieces were all
-compiled before is not sent at all: the round trip (a forward of one token per piece) is most
-of a warm prompt's time to first token. The engine may have evicted a piece since; callers that
+The compiler remembers what it compiled. With `skip_known`, only the pieces it did not compile
+before are sent, and a prompt whose pieces were all compiled before is not sent at all: the
+round trip (a forward of one token per piece) is most of a warm prompt's time to first token. The engine may have evicted a piece since; callers that
 skip check the link's chunk misses and compile again (rag_server/linking/pipeline.py). A miss
 means the pool is evicting, where skipping would mostly guess wrong and every wrong guess costs
 a wasted prefill: after one, the compiler forgets what it knew and stops skipping for
@@ -156,7 +156,13 @@ class ChunkCompiler:
         compiler compiled before are taken as stored)."""
         if not pieces.segments:
             return
-        if skip_known and time.monotonic() >= self._skip_paused_until and all(k in self._known for k in pieces.keys):
+        if skip_known and time.monotonic() >= self._skip_paused_until:
+            # Only the pieces it never compiled: a known piece would cost the engine a forward
+            # for a hit (one new passage among twenty known ones, a document that moved first).
+            unknown = [index for index, key in enumerate(pieces.keys) if key not in self._known]
+            if unknown:
+                await self.compile_many([pieces.segments[i] for i in unknown], [pieces.keys[i] for i in unknown],
+                                        pieces.route)
             self._remember(pieces.keys)
             return
         await self.compile_many(pieces.segments, pieces.keys, pieces.route)
