@@ -1,4 +1,5 @@
-"""The `openai` package against picrag: plain chat, then RAG through the `picrag` extension.
+"""The `openai` package against picrag: plain chat, RAG through the `picrag` extension, then
+documents inside the message with no picrag field at all (picrag finds and reuses them).
 
     python examples/openai_chat.py [URL]        (default http://127.0.0.1:8000)
 """
@@ -37,6 +38,25 @@ def main(url: str) -> None:
         if chunk.choices and chunk.choices[0].delta.content:
             print(chunk.choices[0].delta.content, end="", flush=True)
     print()
+
+    # What a chat app or a stuff-documents chain sends: the documents inside the message text.
+    documents = [
+        "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
+        "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889.",
+        "Big Ben is the nickname for the Great Bell of the Great Clock of Westminster, at the north end of the "
+        "Palace of Westminster in London, England. The name is often used for the clock and the tower too.",
+        "The Colosseum is an elliptical amphitheatre in the centre of the city of Rome, Italy, just east of the "
+        "Roman Forum. It is the largest ancient amphitheatre ever built, and could hold up to 50,000 people.",
+    ]
+    for order in (documents, documents[::-1]):
+        plain_rag = client.chat.completions.create(
+            model=model, max_tokens=16, temperature=0,
+            messages=[{"role": "system", "content": "Answer from the documents."},
+                      {"role": "user", "content": "\n\n".join(order) + "\n\nQuestion: Where is Big Ben?"}])
+        found = plain_rag.model_extra["picrag"]
+        print(f"documents in the message: {plain_rag.choices[0].message.content}")
+        print(f"  {found['discovered']['chunks']} passages found, reused {found['usage']['reused_tokens']} "
+              f"of {plain_rag.usage.prompt_tokens} prompt tokens")
 
 
 if __name__ == "__main__":

@@ -51,9 +51,11 @@ def test_passage_reused_behind_other_prefixes_is_computed_once(picrag_server, la
     # First prompt: its two passages are compiled (computed alone), head reused.
     assert after_first["compile_chunk_misses"] - before["compile_chunk_misses"] == 2
     assert picrag_meta(out_first).computed_tokens == question_len
-    # Second prompt: only its two new passages are computed; the shared one is a hit.
+    # Second prompt: only its two new passages are computed; the head and the shared one are
+    # stored (the frontend knows them and compiles only the new ones, or, while a miss elsewhere
+    # pauses its skipping, sends them too and they hit).
     assert after_second["compile_chunk_misses"] - after_first["compile_chunk_misses"] == 2
-    assert after_second["compile_chunk_hits"] - after_first["compile_chunk_hits"] == 2  # head + shared
+    assert after_second["compile_chunk_hits"] - after_first["compile_chunk_hits"] in (0, 2)
     meta = picrag_meta(out_second)
     assert meta.chunk_hits == 3 and meta.chunk_misses == 0
     assert meta.computed_tokens == len(second.input_ids) - second.chunks[-1][1]

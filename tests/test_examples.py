@@ -46,6 +46,8 @@ def test_openai_example(picrag_server):
     assert lines[1].startswith("rag chat: ") and "London" in lines[1]
     assert "sources: ['Eiffel Tower', 'Big Ben']" in lines[2]
     assert lines[3].startswith("rag chat, streamed: ") and "Paris" in lines[3]
+    assert lines[4].startswith("documents in the message: ") and lines[6].startswith("documents in the message: ")
+    assert lines[5].strip().startswith("3 passages found, reused ") and lines[7] == lines[5]
 
 
 def test_dsl_example(picrag_server):

@@ -159,6 +159,10 @@ def test_requests_over_the_context_window_are_4xx_and_harmless(picrag_server, la
                                   "max_tokens": 4}),
         ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                   "max_tokens": 10**9}),
+        # Passages found in the message (rag_server/service/prompt_discovery.py): refused before a compile.
+        ("/v1/chat/completions", {"model": "m", "max_tokens": 4, "messages": [
+            {"role": "user", "content": "\n\n".join(["hello " * 300] * 30)}]}),
+        ("/v1/completions", {"model": "m", "max_tokens": 4, "prompt": "\n\n".join(["hello " * 300] * 30)}),
     ]
     with picrag_server.client(timeout=120) as client:
         for path, body in requests:
@@ -170,6 +174,18 @@ def test_requests_over_the_context_window_are_4xx_and_harmless(picrag_server, la
             assert time.monotonic() - started < 10, path
         assert client.get("/health").status_code == 200
         wait_idle(client, 10)
+
+
+def test_json_nested_too_deeply_is_a_400_on_every_route(picrag_server):
+    """Python's JSON parser raises RecursionError, not ValueError, on deep nesting: caught at the
+    edge, it is a 400 on every route that parses a body, never a 500, and the runtime never sees it."""
+    body = "[" * 50_000 + "]" * 50_000
+    with picrag_server.client(timeout=60) as client:
+        for path in ("/generate", "/v1/chat/completions", "/v1/completions", "/concate_and_append_request",
+                     "/rag/query", "/rag/retrieve"):
+            response = client.post(path, content=body, headers={"content-type": "application/json"})
+            assert 400 <= response.status_code < 500, (path, response.status_code, response.text[:200])
+        assert client.get("/health").status_code == 200
 
 
 def test_serve_flags():

@@ -30,7 +30,7 @@ from rag_server.api.chunk_markers import link_marked_payload
 from rag_server.api.client_fields import client_link, refused_field
 from rag_server.api.discovery_control import control_of, header_of, without_control
 from rag_server.api.forwarded_bodies import GenerateBody, parse_forwarded
-from rag_server.api.proxy import forward, forwarded_headers, json_object, relay
+from rag_server.api.proxy import forward, forwarded_headers, json_object, loads_bounded, relay
 from rag_server.api.state import Frontend, frontend
 from rag_server.linking.pipeline import GenerationError
 from rag_server.service.prompt_discovery import CONTROL_FIELD, DiscoveredPrompt, DiscoveryControl
@@ -191,7 +191,7 @@ async def concate_and_append_request(request: Request) -> Response:
     prefix, and passages wrapped in `rag_server.dsl.chunk` are reused at any position.
     """
     try:
-        payload = json.loads(await request.body())
+        payload = loads_bounded(await request.body())
     except ValueError:
         payload = None
     if not (isinstance(payload, dict) and isinstance(payload.get("src_rids"), list)

@@ -9,7 +9,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import httpx
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from rag_server.api.state import frontend
@@ -98,10 +98,20 @@ async def json_object(request: Request) -> tuple[bytes, dict | None]:
     forward any other body untouched, so SGLang answers malformed JSON itself."""
     body = await request.body()
     try:
-        payload = json.loads(body)
+        payload = loads_bounded(body)
     except ValueError:
         return body, None
     return body, payload if isinstance(payload, dict) else None
+
+
+def loads_bounded(body: bytes | str):
+    """`json.loads`, with nesting too deep for Python's parser a 400 (HTTPException) instead of
+    the RecursionError it raises, which would be a 500 here and in the runtime (SGLang parses
+    the same body with the same parser)."""
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise HTTPException(400, "the JSON body is nested too deeply") from None
 
 
 async def forward(request: Request, body: bytes | None = None) -> Response:
