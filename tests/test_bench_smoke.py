@@ -154,3 +154,16 @@ def test_the_vanilla_baseline_loads_no_sglang_plugin(tmp_path: Path):
 
     env = RuntimeConfig(model_path=tmp_path, plugins=False).env()
     assert env["SGLANG_PLUGINS"] not in {ep.name for ep in entry_points(group="sglang.srt.plugins")}
+
+
+def test_bench_discovery_smoke(picrag_server, tmp_path: Path):
+    from rag_server.bench.discovery import FORMS, DiscoveryOptions, run_discovery
+
+    out = tmp_path / "discovery"
+    report = run_discovery(DiscoveryOptions(("identical",), out, requests=2, max_tokens=2, url=picrag_server.url))
+    rows = {row["form"]: row for row in report["rows"]}
+    assert set(rows) == set(FORMS) and all(row["requests"] == 2 for row in rows.values())
+    assert rows["discovered"]["discovered_chunks"] == 4
+    assert rows["prefix"]["discovered_chunks"] == rows["annotated"]["discovered_chunks"] == 0
+    assert all(0 < row["ttft_p50_s"] <= row["ttft_p95_s"] for row in rows.values())
+    assert "| identical | discovered | 2 | 1 |" in (out / "discovery.md").read_text()

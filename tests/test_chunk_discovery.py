@@ -174,3 +174,20 @@ def test_a_break_folded_into_the_token_before_cuts_after_it():
     prompt = TokenizedPrompt(text, tuple(vocabulary[p] for p in pieces), tuple(offsets), frozenset(), ((0, len(text)),))
     found = discover(prompt, encode, DiscoverySettings(min_chunk_tokens=2, min_linked_tokens=2))
     assert found.chunks == ((0, 3), (3, 6)), "cut after each folded break; the last passage ends the prompt"
+
+
+def test_the_quality_benchs_chat_prompts_find_the_dev_passages(tokenizer, shared_qa):
+    """`picrag bench quality --prompt-form chat`: a dev question's documents as paragraphs of the
+    user message are found as its passages, in order."""
+    from rag_server.bench.chat_prompts import ChatPromptLayout
+    from rag_server.bench.common import read_rows
+    from retrieval.prompt_layout import passage_text
+
+    row = read_rows(shared_qa / "hotpotqa.dev.jsonl", 1, None)[0]
+    prompt = ChatPromptLayout(tokenizer).build(row.question, row.passages)
+    text = tokenizer.decode(prompt.input_ids)
+    found = [tokenizer.decode(prompt.input_ids[s:e]).strip() for s, e in prompt.chunks]
+    documents = [passage_text(p).strip() for p in row.passages]
+    assert len(found) >= 0.8 * len(documents)
+    assert all(any(doc in chunk for doc in documents) for chunk in found)
+    assert row.question in text and not any(row.question in chunk for chunk in found)

@@ -22,6 +22,7 @@ once). The first request of a scenario is on the clock (its documents are compil
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import random
@@ -181,6 +182,7 @@ def run_form(url: str, scenario: Scenario, form: str, requests: list[tuple[str, 
 class DiscoveryOptions:
     scenarios: tuple[str, ...]
     out: Path
+    requests: int | None = None  # per scenario and form; None: the scenario's own
     max_tokens: int = 8
     seed: int = 42
     url: str | None = None
@@ -196,12 +198,15 @@ def run_discovery(options: DiscoveryOptions) -> dict[str, Any]:
                 ["--no-index", "--shadow-rate", "0"]) as url:
         for name in options.scenarios:
             scenario = SCENARIOS[name]
+            if options.requests is not None:
+                scenario = dataclasses.replace(scenario, permutations=options.requests)
             requests = build_requests(scenario, options.seed)
             for form in FORMS:
                 rows.append(run_form(url, scenario, form, requests, options.max_tokens))
                 print(f"{name:>13} {form:>10}: TTFT p50 {rows[-1].ttft_p50_s:.2f} s", flush=True)
     report = {"command": options.command, "machine": machine_description(),
               "scenarios": {name: asdict(SCENARIOS[name]) for name in options.scenarios},
+              "requests_per_form": options.requests,
               "rows": [asdict(row) for row in rows]}
     (options.out / "discovery.json").write_text(json.dumps(report, indent=1))
     (options.out / "discovery.md").write_text(render(rows, options.command))
@@ -240,6 +245,8 @@ def register(commands) -> None:
         "cache each (discovery.json, discovery.md in --out).")
     parser.add_argument("--scenarios", type=_scenarios, default=tuple(SCENARIOS),
                         help=f"comma-separated, of {', '.join(SCENARIOS)} (default: all)")
+    parser.add_argument("--requests", type=int, default=None, metavar="N",
+                        help="requests per scenario and form (default: each scenario's own)")
     parser.add_argument("--max-tokens", type=int, default=8, help="new tokens per request (default 8)")
     parser.add_argument("--seed", type=int, default=42)
     add_server_arguments(parser, default_port=8034)
@@ -248,8 +255,8 @@ def register(commands) -> None:
 
 @reporting_errors("discovery")
 def _main(args) -> int:
-    options = DiscoveryOptions(args.scenarios, args.out, args.max_tokens, args.seed, args.url, args.model,
-                               args.port, command_line())
+    options = DiscoveryOptions(args.scenarios, args.out, args.requests, args.max_tokens, args.seed, args.url,
+                               args.model, args.port, command_line())
     run_discovery(options)
     print((options.out / "discovery.md").read_text())
     print(f"-> {options.out}/discovery.json, discovery.md")

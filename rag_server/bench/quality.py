@@ -48,6 +48,7 @@ from rag_server.bench.common import (
     warm_chunks,
     with_unrelated_distractors,
 )
+from rag_server.bench.chat_prompts import ChatPromptLayout
 from rag_server.bench.scoring import score_answer
 from rag_server.launch.repair_checkpoint import SHIPPED_DIR, choose_repair_checkpoint
 from rag_server.service.auto_policy import CalibrationTable
@@ -78,6 +79,7 @@ class QualityOptions:
     unrelated_distractors: bool = False  # replace non-supporting passages by other questions'
     passage_bos: bool = False  # every passage starts with BOS (EPIC's layout), in every policy's prompt
     repair_checkpoint: Path | None = None  # the server started here serves this one, not the shipped one
+    prompt_form: str = "annotated"  # "chat": documents inside the user message, passages found (chat_prompts.py)
 
 
 @dataclass
@@ -344,11 +346,12 @@ def run_quality(options: QualityOptions, progress: bool = True) -> dict[str, Any
     with server(options.url, options.model, options.port, options.out / "server.log", serve_args) as url:
         model_dir = model_path_of(url, options.model)
         layout = load_layout(model_dir, options.passage_bos)
+        prompts = ChatPromptLayout(layout.tokenizer) if options.prompt_form == "chat" else layout
         results: list[QuestionResult] = []
         failed: dict[str, str] = {}
         with httpx.Client(base_url=url, timeout=1800) as client:
             for row in tqdm(rows, desc="picrag bench quality", unit="q", disable=not progress, file=sys.stderr):
-                prompt = layout.build(row.question, row.passages)
+                prompt = prompts.build(row.question, row.passages)
                 reference = measure(client, prompt, REFERENCE, options.max_tokens, first_token_distribution=True)
                 results.append(_question_result(row, REFERENCE, reference, reference))
                 for policy in [p for p in runnable[1:] if p not in failed]:
@@ -375,7 +378,7 @@ def run_quality(options: QualityOptions, progress: bool = True) -> dict[str, Any
         "machine": machine_description(),
         "settings": {"max_tokens": options.max_tokens, "greedy": True, "max_passages": options.max_passages,
                      "distractors": "unrelated" if options.unrelated_distractors else "dataset",
-                     "passage_bos": options.passage_bos},
+                     "passage_bos": options.passage_bos, "prompt_form": options.prompt_form},
         "method": {
             "ttft": "client wall time to the first streamed token through the frontend's /generate "
                     "(chunk compile round trips included)",
@@ -432,6 +435,10 @@ def register(commands) -> None:
     quality.add_argument("--passage-bos", action="store_true",
                          help="an ablation: every passage starts with the tokenizer's BOS token (EPIC's "
                          "released layout), in full prefill and compiled chunk alike")
+    quality.add_argument("--prompt-form", choices=("annotated", "chat"), default="annotated",
+                         help="'chat': each question as a chat app sends it, the documents as paragraphs of the "
+                         "user message and the passages the ones the frontend finds there (default: picrag's "
+                         "annotated layout)")
     quality.add_argument("--write-calibration", type=Path, default=None, metavar="FILE",
                          help="also write the `auto` policy's calibration table (mean KL per policy and "
                          "prompt size, policies by speed-up) for `picrag serve --calibration FILE`")
@@ -444,6 +451,8 @@ def register(commands) -> None:
 
 @reporting_errors("quality")
 def _main(args) -> int:
+    if args.prompt_form != "annotated" and args.write_calibration is not None:
+        raise BenchError("--write-calibration with --prompt-form chat: `auto`'s table is calibrated on the annotated layout")
     if args.passage_bos and args.write_calibration is not None:
         raise BenchError("--write-calibration with --passage-bos: the ablation is not the layout the frontend serves")
     if args.repair_checkpoint is not None and args.write_calibration is not None:
@@ -454,7 +463,7 @@ def _main(args) -> int:
         max_passages=args.max_passages, max_tokens=args.max_tokens,
         url=args.url, model=args.model, port=args.port, command=command_line(),
         write_calibration=args.write_calibration, unrelated_distractors=args.distractors == "unrelated",
-        passage_bos=args.passage_bos, repair_checkpoint=args.repair_checkpoint,
+        passage_bos=args.passage_bos, repair_checkpoint=args.repair_checkpoint, prompt_form=args.prompt_form,
     )
     report = run_quality(options)
     print((options.out / "results.md").read_text())
