@@ -1,8 +1,10 @@
 """RAG through OpenAI's chat API: `POST /v1/chat/completions` with a `picrag` extension field.
 
 A body without `picrag` goes to SGLang's own chat endpoint as sent, once its typed allowlist
-(rag_server/api/forwarded_bodies.py; `/v1/completions` too) passed. With it, the request is
-answered like `/rag/query` (same prompt layout, same link path):
+(rag_server/api/forwarded_bodies.py; `/v1/completions` too) passed, unless passages are found
+inside its messages (rag_server/service/prompt_discovery.py; a `picrag` field naming `discover`
+controls that): then it is linked and answered here in SGLang's format. With the RAG
+extension, the request is answered like `/rag/query` (same prompt layout, same link path):
 
     {"model": "...", "messages": [...], "max_tokens": 32, "temperature": 0, "stream": false,
      "picrag": {"documents": [{"title": "...", "text": "..."}], "top_k": 3, "policy": "naive"}}
