@@ -21,7 +21,11 @@ and versioned actions, delivered to the tree cache as `req.kv_hints`). Two actio
   frontend then compiles it again and relinks, and no prefill is thrown away. Without it a
   missing chunk is computed as ordinary tokens. ``"context_attention": true`` asks for the
   attention the question pays to every prompt position (sglang_patches.context_attention), from
-  which the frontend picks what a selecting family recomputes.
+  which the frontend picks what a selecting family recomputes. ``"tail": [id, ...]`` (at most
+  `MAX_TAIL_TOKENS`) are tokens the last chunk is compiled and stored with after it that the
+  prompt does not hold there: a passage found last in a prompt, where the blank line that ends
+  every other passage is missing, is then the same stored chunk as in any other position. Its
+  own tokens' KV comes from that chunk's causal prefix (the tail is never grafted).
 
 ``picrag.compile`` (version "1", empty payload): the whole prompt is one chunk to compute alone
 at positions 0..n-1 and store in the chunk cache (send it with ``max_new_tokens`` 0 or 1).
@@ -49,13 +53,17 @@ ORIGINAL_LAYOUT = "original"
 # The value of "layout" for a prompt sent reordered (families with reordered_layout: LegoLink's order first).
 REORDERED_LAYOUT = "legolink"
 LINK_FIELDS = ("policy", "chunks", K.name, RATIO.name, "layout", "sink_token", "on_miss", "first_token_logprobs",
-               "recompute", "context_attention")
+               "recompute", "context_attention", "tail")
 ON_MISS_COMPUTE = "compute"
 ON_MISS_REFUSE = "refuse"
 # The start of the engine's answer to an `on_miss: refuse` link whose chunks are not all stored
 # (SGLang's abort finish reason, status MISS_REFUSAL_STATUS); the frontend relinks on it.
 MISS_REFUSAL = "picrag: chunks not in the store"
 MISS_REFUSAL_STATUS = 409
+# The longest tail a link may name (a separator: a blank line is one to three tokens).
+MAX_TAIL_TOKENS = 8
+# Above every vocabulary: the engine checks a tail against its own (sglang_patches.request_guard).
+MAX_TOKEN_ID = 1 << 31
 
 # Policy errors and link-hint errors are one kind: a request the engine cannot serve as asked.
 LinkHintError = PolicyError
@@ -75,18 +83,29 @@ class LinkRequest:
     # Selecting families: prompt positions recomputed besides the first k of every chunk (original order).
     recompute: tuple[tuple[int, int], ...] = ()
     report_attention: bool = False  # return the question's attention over every prompt position
+    # Families that reuse chunks: tokens the last chunk is stored with after it (module docstring).
+    tail: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, policy: Union[str, Policy], chunks, sink_token: Optional[int] = None) -> LinkRequest:
+    def of(cls, policy: Union[str, Policy], chunks, sink_token: Optional[int] = None,
+           tail: tuple[int, ...] = ()) -> LinkRequest:
+        """A link of `chunks` under `policy`; `sink_token` and `tail` are kept where the family
+        uses them (a family that reuses no chunk stores none)."""
         if isinstance(policy, str):
             policy = parse_policy(policy)
         family = policy.family
+        chunks = tuple((int(s), int(e)) for s, e in chunks)
         return cls(
-            policy=family.name, chunks=tuple((int(s), int(e)) for s, e in chunks),
+            policy=family.name, chunks=chunks,
             k=int(policy.param) if family.param == K.name else policy.k,
             ratio=float(policy.param) if family.param == RATIO.name else 0.0,
             sink_token=sink_token if family.sink_tokens else None,
+            tail=tuple(tail) if family.reuses_chunks and chunks else (),
         )
+
+    def like(self, policy: Union[str, Policy]) -> LinkRequest:
+        """The same chunks, stored as they are here, linked under another policy."""
+        return LinkRequest.of(policy, self.chunks, self.sink_token, self.tail)
 
     @property
     def family(self) -> PolicyFamily:
@@ -106,9 +125,15 @@ class LinkRequest:
 
         return merge_runs([*first_k_runs(self.chunks, self.k), *self.recompute])
 
-    def stored_chunk(self, chunk_tokens: list[int]) -> list[int]:
-        """The tokens a chunk is compiled and stored as under this policy."""
-        return [self.sink_token] * self.family.sink_tokens + list(chunk_tokens)
+    def stored_chunk(self, chunk_tokens: list[int], last: bool = False) -> list[int]:
+        """The tokens a chunk is compiled and stored as under this policy (`last`: the link's
+        last chunk, stored with its tail)."""
+        return [self.sink_token] * self.family.sink_tokens + list(chunk_tokens) + list(self.tail if last else ())
+
+    def stored_chunks(self, prompt) -> list[tuple[int, ...]]:
+        """Every chunk of `prompt` (in its original order) as it is stored, in order."""
+        last = len(self.chunks) - 1
+        return [tuple(self.stored_chunk(prompt[s:e], index == last)) for index, (s, e) in enumerate(self.chunks)]
 
     def validate(self, prompt_len: int) -> None:
         if self.policy not in POLICY_FAMILIES:
@@ -150,6 +175,13 @@ class LinkRequest:
             raise LinkHintError(f"{self.policy} needs a sink_token (the frontend fills in the model's BOS)")
         if not family.sink_tokens and self.sink_token is not None:
             raise LinkHintError(f"{self.policy} takes no sink_token")
+        if self.tail and not (family.reuses_chunks and self.chunks):
+            raise LinkHintError(f"a tail is stored after the last chunk: for families that reuse chunks, "
+                                f"with chunks; not for {self.policy}")
+        if len(self.tail) > MAX_TAIL_TOKENS:
+            raise LinkHintError(f"a tail is at most {MAX_TAIL_TOKENS} tokens, got {len(self.tail)}")
+        if any(not 0 <= token < MAX_TOKEN_ID for token in self.tail):
+            raise LinkHintError(f"a tail holds token ids (0 <= id < {MAX_TOKEN_ID}), got {list(self.tail)}")
 
 
 def _field(obj: Any, name: str) -> Any:
@@ -218,11 +250,15 @@ def _link_of_payload(payload: dict) -> LinkRequest:
         flags[field] = payload.get(field, False)
         if not isinstance(flags[field], bool):
             raise LinkHintError(f"{field} must be true or false, got {flags[field]!r}")
+    tail = payload.get("tail", [])
+    if not isinstance(tail, (list, tuple)):
+        raise LinkHintError(f"{LINK_ACTION} tail must be a list of token ids, got {tail!r}")
     return LinkRequest(
         policy=family.name, chunks=_spans(payload.get("chunks", []), "chunks"), k=k, ratio=float(ratio),
         layout=layout, sink_token=None if sink is None else _whole(sink, "sink_token"),
         refuse_on_miss=on_miss == ON_MISS_REFUSE, report_first_token=flags["first_token_logprobs"],
         recompute=_spans(payload.get("recompute", []), "recompute"), report_attention=flags["context_attention"],
+        tail=tuple(_whole(token, "tail") for token in tail[:MAX_TAIL_TOKENS + 1]),
     )
 
 
@@ -268,9 +304,10 @@ def _envelope(action_type: str, payload: dict) -> dict:
     }
 
 
-def link_hints(policy: str, chunks: list[tuple[int, int]], report_first_token: bool = False) -> dict:
+def link_hints(policy: str, chunks: list[tuple[int, int]], report_first_token: bool = False,
+               tail: tuple[int, ...] = ()) -> dict:
     """Hints for a prompt in its original order; `policy` is a policy name ('legolink:K')."""
-    link = dataclasses.replace(LinkRequest.of(policy, chunks), report_first_token=report_first_token)
+    link = dataclasses.replace(LinkRequest.of(policy, chunks, tail=tail), report_first_token=report_first_token)
     return hints_of(link)
 
 
@@ -292,6 +329,8 @@ def hints_of(link: LinkRequest) -> dict:
         payload["on_miss"] = ON_MISS_REFUSE
     if link.report_first_token:
         payload["first_token_logprobs"] = True
+    if link.tail:
+        payload["tail"] = list(link.tail)
     return _envelope(LINK_ACTION, payload)
 
 

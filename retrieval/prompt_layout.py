@@ -53,6 +53,9 @@ class PromptPassage:
 class CompiledPrompt:
     input_ids: list[int]
     chunks: list[tuple[int, int]]
+    # Tokens the last chunk is stored with after it (picrag_core.link_hints: a passage found last
+    # in a prompt, without the separator that ends the others).
+    tail: tuple[int, ...] = ()
 
     @property
     def chunk_tokens(self) -> int:

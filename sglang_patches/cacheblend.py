@@ -226,8 +226,8 @@ def blend_plan(cache, req, link, prefix_len: int, stats) -> Optional[BlendPlan]:
     """The chunks of a cacheblend request that follow its matched prefix."""
     prompt = req.origin_input_ids
     sources = [
-        BlendSource(start, end, tuple(prompt[start:end]))
-        for start, end in link.chunks
+        BlendSource(start, end, tokens)
+        for (start, end), tokens in zip(link.chunks, link.stored_chunks(prompt))
         if end > prefix_len
     ]
     if not sources:

@@ -33,7 +33,7 @@ class Segment:
 
     start: int
     end: int
-    chunk_tokens: tuple[int, ...]  # the stored chunk it comes from (as stored: behind its sinks)
+    chunk_tokens: tuple[int, ...]  # the stored chunk it comes from (as stored: behind its sinks, with its tail)
     chunk_offset: int  # where in that chunk the span begins
     shift: int  # true position of the stored chunk's first token
     chunk: int  # which of the link's chunks it belongs to; HEAD for the head (a true prefix, never counted)
@@ -129,8 +129,8 @@ def _segments(prompt: list[int], link: LinkRequest) -> list[Segment]:
         original = layout.restore(prompt)
         spans = []
         position = layout.head_len
-        for index, ((s, e), fragments) in enumerate(zip(link.chunks, layout.fragments)):
-            tokens = tuple(original[s:e])
+        stored = link.stored_chunks(original)
+        for index, ((s, e), fragments, tokens) in enumerate(zip(link.chunks, layout.fragments, stored)):
             # A chunk recomputed whole stays as an empty segment: see recomputed_whole.
             for fragment in fragments or [None]:
                 start, end, offset = (position, position, e - s) if fragment is None else (
@@ -145,8 +145,8 @@ def _segments(prompt: list[int], link: LinkRequest) -> list[Segment]:
         original = prompt
         # legolink0 chunks are stored behind sink tokens: skip them, shift by their count.
         sinks = link.family.sink_tokens
-        spans = [(s, e, tuple(link.stored_chunk(prompt[s:e])), sinks, s - sinks, index)
-                 for index, (s, e) in enumerate(link.chunks)]
+        spans = [(s, e, tokens, sinks, s - sinks, index)
+                 for index, ((s, e), tokens) in enumerate(zip(link.chunks, link.stored_chunks(prompt)))]
     # The head (system prompt) is a true prefix: compiled at position 0 it is exact KV, so it is
     # grafted from the chunk store unshifted, but it is not a chunk (never counted, never
     # recomputed by a link step).
@@ -176,7 +176,7 @@ def build_plan(prompt: list[int], link: LinkRequest, repair_digest: Optional[str
         chunks=link.chunks, recomputed=runs, repair_digest=repair_digest if family.repairs else None,
     )
     if family.blends_chunks:
-        stored = tuple(tuple(prompt[s:e]) for s, e in link.chunks)
+        stored = tuple(link.stored_chunks(prompt))
     else:
         # Each chunk once, however many runs of it are grafted.
         stored = tuple({seg.chunk: seg.chunk_tokens for seg in segments

@@ -11,7 +11,7 @@ chunk cache is shared by every client. So the engine itself (not only the fronte
 * a picrag action is admitted only as picrag itself sends it (`admitted_link`): a plain token
   prompt; a compile only into the shared store (no client namespace, cache salt or LoRA) and
   generating nothing; a reordered layout only for a family that reorders, with chunks; the sink
-  token only the model's own; a family only where the attention backend can run it and the
+  token only the model's own; a tail only of the model's token ids; a family only where the attention backend can run it and the
   model allows it (picrag_core.model_support: sliding windows, latent attention, RoPE variants).
 
 Every form of `kv_hints` reaches the same check: SGLang splits a batch (one envelope for all
@@ -90,13 +90,14 @@ class EngineSettings:
     sink_token: Optional[int]  # the model's BOS
     attention_backend: Optional[str]
     model_refusals: Mapping[str, str] = field(default_factory=dict)  # family -> why the model forbids it
+    vocab_size: Optional[int] = None  # a link's tail is token ids of this vocabulary (None: not checked)
 
     @classmethod
     def of(cls, sink_token: Optional[int], attention_backend: Optional[str], model_config) -> EngineSettings:
         """`model_config`: SGLang's ModelConfig of the served model (its transformers config and
         the context it is served with)."""
         traits = ModelTraits.of_config(model_config.hf_config.to_dict(), model_config.context_len)
-        return cls(sink_token, attention_backend, model_refusals(traits))
+        return cls(sink_token, attention_backend, model_refusals(traits), model_config.vocab_size)
 
 
 def admitted_link(kv_hints: Any, shape: RequestShape, engine: EngineSettings) -> Optional[LinkRequest]:
@@ -127,6 +128,10 @@ def admitted_link(kv_hints: Any, shape: RequestShape, engine: EngineSettings) ->
             raise LinkHintError(f"sink_token is the model's BOS ({sink_token}), got {link.sink_token}")
         link = dataclasses.replace(link, sink_token=sink_token)
     link.validate(shape.prompt_len)
+    # A tail's ids key the chunk store and reach the repair network's embedding, as prompt ids do.
+    tail_error = None if engine.vocab_size is None else vocabulary_error(link.tail, engine.vocab_size, "tail")
+    if tail_error:
+        raise LinkHintError(tail_error)
     if link.family.reordered_layout and link.chunks and link.layout != REORDERED_LAYOUT:
         raise LinkHintError(f"{link.policy} prompts must arrive reordered (link_hints.runtime_request)")
     return link

@@ -23,7 +23,7 @@ def question_tokens(prompt) -> int:
     return len(prompt.input_ids) - prompt.chunks[-1][1]
 
 
-def generate(client, input_ids, policy=None, chunks=(), max_new_tokens=8, logprobs=False, **extra) -> dict:
+def generate(client, input_ids, policy=None, chunks=(), max_new_tokens=8, logprobs=False, tail=(), **extra) -> dict:
     body = {
         "input_ids": input_ids,
         "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
@@ -31,7 +31,9 @@ def generate(client, input_ids, policy=None, chunks=(), max_new_tokens=8, logpro
         **extra,
     }
     if policy is not None:
-        body["kv_hints"] = link_hints(policy, list(chunks))
+        body["kv_hints"] = link_hints(policy, list(chunks), tail=tail)
+    else:  # the reference is SGLang's own route: the frontend would otherwise find the passages
+        body.setdefault("picrag", {"discover": False})
     response = client.post("/generate", json=body)
     assert response.status_code == 200, response.text
     return response.json()

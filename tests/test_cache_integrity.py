@@ -10,6 +10,7 @@ bit-identical first-token log-probabilities.
 from __future__ import annotations
 
 from array import array
+import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -72,6 +73,13 @@ PLAIN = RequestShape(prompt_len=40, max_new_tokens=8, namespaced=False)
     ({"policy": "cacheblend", "chunks": [[0, 5]], "ratio": float("nan")}, "ratio needs"),
     ({"policy": "cacheblend", "chunks": [[0, 5]], "ratio": "0.5"}, "must be a number"),
     ({"policy": 3, "chunks": [[0, 5]]}, "policy must be a string"),
+    ({"policy": "naive", "chunks": [[0, 5]], "tail": "\n\n"}, "tail must be a list of token ids"),
+    ({"policy": "naive", "chunks": [[0, 5]], "tail": [1.0]}, "tail must be a whole number"),
+    ({"policy": "naive", "chunks": [[0, 5]], "tail": [2] * 9}, "a tail is at most 8 tokens"),
+    ({"policy": "naive", "chunks": [[0, 5]], "tail": [2**70]}, "a tail holds token ids"),
+    ({"policy": "naive", "chunks": [[0, 5]], "tail": [-1]}, "a tail holds token ids"),
+    ({"policy": "naive", "chunks": [], "tail": [2]}, "with chunks; not for naive"),
+    ({"policy": "full", "chunks": [[0, 5]], "tail": [2]}, "not for full"),
 ])
 def test_the_engine_refuses_link_fields_a_client_may_not_set(payload, reason):
     with pytest.raises(LinkHintError, match=reason.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
@@ -91,6 +99,21 @@ def test_the_engine_admits_links_as_picrag_sends_them():
         assert admitted.sink_token == BOS
     with pytest.raises(LinkHintError, match="this model has none"):
         admitted_link(hints_of(LinkRequest.of("legolink0", [(2, 9)], BOS)), PLAIN, EngineSettings(None, NATIVE_BACKEND))
+
+
+def test_a_tail_is_token_ids_of_the_model():
+    engine = dataclasses.replace(ENGINE, vocab_size=100)
+    hints = hints_of(LinkRequest.of("naive", [(2, 9)], tail=(99,)))
+    assert admitted_link(hints, PLAIN, engine).tail == (99,)
+    with pytest.raises(LinkHintError, match=r"tail: 100 is not a token id of this model \(0..99\)"):
+        admitted_link(hints_of(LinkRequest.of("naive", [(2, 9)], tail=(100,))), PLAIN, engine)
+    with pytest.raises(LinkHintError, match="kv_hints field 'tail': 100 is not a token id"):
+        client_link(LinkRequest.of("naive", [(2, 9)], tail=(100,)), BOS, 100)
+    # Stored with the last chunk only, and by every family that stores chunks.
+    for policy, sinks in (("naive", ()), ("cacheblend:0.3", ()), ("legolink0", (BOS,) * 3)):
+        link = LinkRequest.of(policy, [(0, 2), (2, 4)], BOS, tail=(7,))
+        assert link.stored_chunks([10, 11, 12, 13]) == [(*sinks, 10, 11), (*sinks, 12, 13, 7)]
+    assert LinkRequest.of("full", [(0, 2)], tail=(7,)).tail == ()
 
 
 def test_the_engine_refuses_a_family_its_attention_backend_cannot_run():
@@ -190,10 +213,10 @@ def test_the_frontend_names_the_fields_it_refuses():
     assert refused_field({"input_ids": [1, True]}, 100).startswith("input_ids: True")
     assert refused_field({"input_ids": [1, 99], "extra_key": "tenant"}, 100) is None
     with pytest.raises(LinkHintError, match="field 'layout'"):
-        client_link(LinkRequest(policy="legolink", chunks=((0, 5),), k=4, layout="legolink"), BOS)
+        client_link(LinkRequest(policy="legolink", chunks=((0, 5),), k=4, layout="legolink"), BOS, 100)
     with pytest.raises(LinkHintError, match="field 'sink_token'"):
-        client_link(LinkRequest.of("legolink0", [(0, 5)], 7), BOS)
-    assert client_link(LinkRequest.of("legolink0", [(0, 5)], BOS), BOS).sink_token == BOS
+        client_link(LinkRequest.of("legolink0", [(0, 5)], 7), BOS, 100)
+    assert client_link(LinkRequest.of("legolink0", [(0, 5)], BOS), BOS, 100).sink_token == BOS
 
 
 def test_token_ids_outside_the_vocabulary():

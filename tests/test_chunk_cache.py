@@ -30,6 +30,31 @@ def test_naive_chunk_at_position_zero_equals_vanilla_prefix_caching(picrag_serve
     assert logprobs_of(naive) == pytest.approx(logprobs_of(vanilla), abs=1e-6)
 
 
+def test_a_passage_without_its_separator_is_served_from_the_chunk_stored_with_it(picrag_server, layout, musique):
+    """A link's tail: the passage's tokens less the blank line it is compiled with, linked with
+    that blank line as the tail, hit the chunk stored with it (nothing compiled again), and at
+    position 0 answer as vanilla prefix caching of the bare passage (a causal prefix's KV)."""
+    row = musique[5]
+    stored = layout.passage_ids(passages_of(row, [0])[0])
+    question = layout.question_ids(row["question"])
+    assert layout.tokenizer.decode(stored[-1:]).isspace(), "a passage is compiled with its blank line"
+    bare, tail = stored[:-1], tuple(stored[-1:])
+    with picrag_server.client() as client:
+        generate(client, stored + question, "naive", [(0, len(stored))])
+        before = counters(client)
+        linked = generate(client, bare + question, "naive", [(0, len(bare))], logprobs=True, tail=tail)
+        after = counters(client)
+        client.post("/flush_cache").raise_for_status()  # the reference computes its own KV
+        generate(client, bare, max_new_tokens=1)
+        vanilla = generate(client, bare + question, logprobs=True)
+    meta = picrag_meta(linked)
+    assert meta.chunk_hits == 1 and meta.reused_tokens == len(bare)
+    assert after["compile_chunk_misses"] == before["compile_chunk_misses"]
+    assert vanilla["meta_info"]["cached_tokens"] == len(bare)
+    assert linked["output_ids"] == vanilla["output_ids"]
+    assert logprobs_of(linked) == pytest.approx(logprobs_of(vanilla), abs=1e-6)
+
+
 def test_passage_reused_behind_other_prefixes_is_computed_once(picrag_server, layout, musique):
     shared, others = musique[1], musique[2]
     shared_passage = passages_of(shared, [0])

@@ -42,6 +42,17 @@ def document(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words)) + rng.choice(("", ".", "!", ":"))
 
 
+def token_text(prompt: TokenizedPrompt, start: int, end: int) -> str:
+    return prompt.text[prompt.offsets[start][0]:prompt.offsets[end - 1][1]] if end > start else ""
+
+
+def body_end(prompt: TokenizedPrompt, start: int, end: int) -> int:
+    """Where a chunk's passage ends: before the whitespace tokens it ends with."""
+    while end > start and token_text(prompt, end - 1, end).isspace():
+        end -= 1
+    return end
+
+
 def check_rules(prompt: TokenizedPrompt, found, encode, config: DiscoverySettings) -> None:
     """What every discovered link must keep."""
     previous_end = None
@@ -50,11 +61,19 @@ def check_rules(prompt: TokenizedPrompt, found, encode, config: DiscoverySetting
         assert previous_end is None or start == previous_end, "back to back: the engine grafts one run"
         previous_end = end
         assert not set(prompt.ids[start:end]) & prompt.special, "no message boundary inside a passage"
-        text = prompt.text[prompt.offsets[start][0]:prompt.offsets[end - 1][1]]
-        assert tuple(encode(text)) == prompt.ids[start:end], "its ids are the ones it gets when computed alone"
+        passage_end = body_end(prompt, start, end)
+        assert passage_end > start and not token_text(prompt, start, start + 1).isspace(), \
+            "a passage starts with text and ends with its separator"
+        assert tuple(encode(token_text(prompt, start, passage_end))) == prompt.ids[start:passage_end], \
+            "its ids are the ones its text gets alone"
         assert end - start >= config.min_chunk_tokens
     assert not found.chunks or found.chunk_tokens >= config.min_linked_tokens
     assert len(found.chunks) <= config.max_chunks
+    if found.tail:
+        (_, second_end), (last_start, last_end) = found.chunks[-2:]
+        assert body_end(prompt, last_start, last_end) == last_end, "a tail only where the last passage has none"
+        assert prompt.ids[second_end - len(found.tail):second_end] == found.tail, "the separator before it"
+        assert body_end(prompt, found.chunks[-2][0], second_end) == second_end - len(found.tail)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -90,22 +109,21 @@ def permutation_prompts(tokenizer, vocabulary: int, documents: int = 4, words: i
 @pytest.mark.parametrize("vocabulary", [1000, 6])
 def test_a_document_has_one_key_wherever_it_moves(tokenizer, vocabulary):
     """Every document of every permutation is found, the system prompt stays on the prefix cache,
-    and a document after the first has the same tokens in every position (one stored chunk); with
-    a 6-word vocabulary (identical windows everywhere) documents still share only with themselves."""
+    and a document is stored as the same tokens in every position, the last one too (it has no
+    blank line after it: the link's tail gives it the others'); with a 6-word vocabulary
+    (identical windows everywhere) documents still share only with themselves."""
     encode = encoder(tokenizer)
     seen: dict[tuple[int, ...], int] = {}
     for order, docs, prompt in permutation_prompts(tokenizer, vocabulary):
         found = discover(prompt, encode)
         check_rules(prompt, found, encode, DiscoverySettings())
-        assert len(found.chunks) == 4
+        assert len(found.chunks) == 4 and found.tail
         assert "system" in prompt.text[:prompt.offsets[found.chunks[0][0]][0]], "the system prompt is the head"
         for position, (start, end) in enumerate(found.chunks):
-            text = prompt.text[prompt.offsets[start][0]:prompt.offsets[end - 1][1]]
-            assert text.strip() == docs[order[position]]
-            if position:
-                tokens = prompt.ids[start:end]
-                assert seen.setdefault(tokens, order[position]) == order[position], "a chunk is one document's"
-    assert len(seen) == 4
+            assert token_text(prompt, start, end).strip() == docs[order[position]]
+            stored = prompt.ids[start:end] + (found.tail if position == 3 else ())
+            assert seen.setdefault(stored, order[position]) == order[position], "a chunk is one document's"
+    assert len(seen) == 4, "one stored chunk per document, wherever it stands"
 
 
 def test_short_paragraphs_join_the_passage_after_them_or_stay_prompt(tokenizer):
@@ -116,7 +134,7 @@ def test_short_paragraphs_join_the_passage_after_them_or_stay_prompt(tokenizer):
     found = discover(prompt, encoder(tokenizer))
     texts = [prompt.text[prompt.offsets[s][0]:prompt.offsets[e - 1][1]] for s, e in found.chunks]
     assert len(texts) == 3
-    assert texts[0].startswith("Context:") and texts[1].startswith("\n\nTitle 1\n\n")
+    assert texts[0].startswith("Context:") and texts[1].startswith("Title 1\n\n")
     assert all(doc in text for doc, text in zip(docs, texts))
     assert "Question" not in "".join(texts), "the question after the last passage is computed, not reused"
 

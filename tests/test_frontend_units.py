@@ -273,6 +273,31 @@ def test_compiler_skips_pieces_it_compiled_and_forgets_them_on_flush():
     assert len(sent) == 5
 
 
+def test_a_passage_keys_and_routes_alike_last_with_its_tail_or_inside_the_run():
+    """The separator a passage is stored with is its own wherever it stands: after the next
+    passage, or as the tail when it is last (6 is the separator here)."""
+    from rag_server.linking.chunk_compiler import ChunkCompiler, Pieces
+    from picrag_core.link_hints import LinkRequest
+
+    sent = []
+
+    class Runtime:
+        async def post(self, path, json, headers=None):
+            sent.append(json["input_ids"])
+            return SimpleNamespace(status_code=200)
+
+    compiler = ChunkCompiler(Runtime())
+    last = Pieces.of([1, 2, 10, 11, 6, 20, 21, 9], LinkRequest.of("naive", [(2, 5), (5, 7)], tail=(6,)))
+    asyncio.run(compiler.prepare(last, skip_known=True))
+    assert sent == [[[1, 2], [10, 11, 6], [20, 21, 6]]]
+    inside = Pieces.of([1, 2, 20, 21, 6, 10, 11, 6, 9], LinkRequest.of("naive", [(2, 5), (5, 8)]))
+    assert set(inside.keys) == set(last.keys) and inside.route == last.route
+    asyncio.run(compiler.prepare(inside, skip_known=True))
+    assert len(sent) == 1  # both passages known as stored
+    untailed = Pieces.of([1, 2, 10, 11, 6, 20, 21, 9], LinkRequest.of("naive", [(2, 5), (5, 7)]))
+    assert untailed.route != last.route
+
+
 # --- link pipeline (against a scripted runtime) -----------------------------------------------
 
 def _event(text: str, misses: int) -> bytes:

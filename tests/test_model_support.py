@@ -115,11 +115,13 @@ def test_the_tested_architectures_cover_the_blend_hook():
 
 
 class _ModelConfig:
-    """Stands for SGLang's ModelConfig: the transformers config and the served context."""
+    """Stands for SGLang's ModelConfig: the transformers config, the served context and the
+    vocabulary size."""
 
     def __init__(self, config: dict, context_len: int):
         self.hf_config = SimpleNamespace(to_dict=lambda: config)
         self.context_len = context_len
+        self.vocab_size = config["vocab_size"]
 
 
 def test_the_engine_refuses_a_family_the_model_forbids():

@@ -75,6 +75,7 @@ LINK_PAYLOAD_FIELDS = {
     "sink_token": maybe(TOKEN_ID), "on_miss": maybe(st.sampled_from(["refuse", "compute", "drop"])),
     "first_token_logprobs": maybe(st.one_of(st.booleans(), JUNK)),
     "recompute": maybe(st.lists(SPAN, max_size=3)), "context_attention": maybe(st.one_of(st.booleans(), JUNK)),
+    "tail": maybe(st.one_of(st.lists(TOKEN_ID, max_size=10), JUNK)),
 }
 LINK_PAYLOAD = st.fixed_dictionaries({}, optional={**LINK_PAYLOAD_FIELDS, "extra_key": JUNK})
 ACTION = st.fixed_dictionaries({

@@ -33,24 +33,26 @@ POLICIES = ("naive", "legolink0", "cacherepair", "legolink:0", "legolink:1", "le
 DIGESTS = ("a" * 64, "b" * 64)
 
 
-def linked(policy: str, chunks: list[tuple[int, int]], recompute: tuple = ()) -> LinkRequest:
-    link = LinkRequest.of(policy, chunks, BOS)
+def linked(policy: str, chunks: list[tuple[int, int]], recompute: tuple = (), tail: tuple = ()) -> LinkRequest:
+    link = LinkRequest.of(policy, chunks, BOS, tail)
     return dataclasses.replace(link, recompute=recompute) if link.family.scored_as else link
 
 
 def admitted_plan(prompt: list[int], policy: str, chunks: list[tuple[int, int]], repair_digest: str,
-                  recompute: tuple = ()) -> LinkPlan:
+                  recompute: tuple = (), tail: tuple = ()) -> LinkPlan:
     """The plan the engine builds for `prompt` linked as the frontend sends it."""
-    ids, hints = runtime_request(prompt, linked(policy, chunks, recompute))
+    ids, hints = runtime_request(prompt, linked(policy, chunks, recompute, tail))
     link = admitted_link(hints, RequestShape(len(ids), 8, False), ENGINE)
     return build_plan(ids, link, repair_digest if link.family.repairs else None)
 
 
 def slot_dependencies(prompt: list[int], policy: str, chunks: list[tuple[int, int]],
-                      repair_digest: str, recompute: tuple = ()) -> list[tuple]:
+                      repair_digest: str, recompute: tuple = (), tail: tuple = ()) -> list[tuple]:
     """What each slot's KV is a function of, beyond the slots before it in the order sent,
-    written from the policies' definitions (not from the key code)."""
-    link = linked(policy, chunks, recompute)
+    written from the policies' definitions (not from the key code). The last chunk is stored
+    with `tail` after it: a causal graft never sees it, the repair network does."""
+    link = linked(policy, chunks, recompute, tail)
+    stored_as = [tuple(prompt[s:e]) + (tuple(tail) if i == len(chunks) - 1 else ()) for i, (s, e) in enumerate(chunks)]
     family = link.family
     # Recomputed in context: LegoLink's first k of every chunk, and a selection's positions.
     recomputed = set()
@@ -79,11 +81,11 @@ def slot_dependencies(prompt: list[int], policy: str, chunks: list[tuple[int, in
             dependencies.append((scope, "computed", token, position))
             continue
         start, end = chunks[index]
-        stored = [BOS] * family.sink_tokens + prompt[start:end]
+        stored = [BOS] * family.sink_tokens + list(stored_as[index])
         local = family.sink_tokens + position - start
         if family.repairs:
-            # The network sees every chunk up to this one whole, in prompt order.
-            seen = tuple(tuple(prompt[s:e]) for s, e in chunks[: index + 1])
+            # The network sees every chunk up to this one whole (as stored), in prompt order.
+            seen = tuple(stored_as[: index + 1])
             dependencies.append((scope, "repaired", token, position, start, local, seen, repair_digest))
         else:
             dependencies.append((scope, "grafted", token, position, start, local, tuple(stored[: local + 1])))
@@ -102,7 +104,8 @@ def linked_prompts(draw):
     # Positions a selecting policy recomputes: any chunk tokens, as runs inside chunks.
     chosen = draw(st.sets(st.sampled_from([p for start, end in chunks for p in range(start, end)])))
     recompute = tuple(run for start, end in chunks for run in merge_runs([(p, p + 1) for p in chosen if start <= p < end]))
-    return prompt, chunks, recompute
+    tail = tuple(draw(st.lists(st.integers(2, 4), max_size=2)))
+    return prompt, chunks, recompute, tail
 
 
 def _shared_prefix(a, b) -> int:
@@ -117,9 +120,9 @@ def _shared_prefix(a, b) -> int:
        st.sampled_from(POLICIES)), digests=st.tuples(st.sampled_from(DIGESTS), st.sampled_from(DIGESTS)))
 def test_equal_keys_mean_equal_dependencies(first, second, policies, digests):
     plans, dependencies = [], []
-    for (prompt, chunks, recompute), policy, digest in zip((first, second), policies, digests):
-        plans.append(admitted_plan(prompt, policy, chunks, digest, recompute))
-        dependencies.append(slot_dependencies(prompt, policy, chunks, digest, recompute))
+    for (prompt, chunks, recompute, tail), policy, digest in zip((first, second), policies, digests):
+        plans.append(admitted_plan(prompt, policy, chunks, digest, recompute, tail))
+        dependencies.append(slot_dependencies(prompt, policy, chunks, digest, recompute, tail))
     a, b = plans
     if a.namespace != b.namespace:
         return

@@ -36,12 +36,16 @@ def refused_field(payload: dict[str, Any], vocab_size: int) -> Optional[str]:
     return None
 
 
-def client_link(link: LinkRequest, model_sink: Optional[int]) -> LinkRequest:
+def client_link(link: LinkRequest, model_sink: Optional[int], vocab_size: int) -> LinkRequest:
     """A client's `picrag.link` as the link pipeline takes it: a prompt in its original order
-    (picrag reorders it where the policy needs), with the model's own sink token."""
+    (picrag reorders it where the policy needs), with the model's own sink token, and a tail of
+    the model's token ids (compiled with the last chunk)."""
     if link.layout != ORIGINAL_LAYOUT:
         raise LinkHintError("kv_hints field 'layout' is set by picrag when it reorders a prompt: "
                             "send the prompt in its original order, without it")
     if link.sink_token is not None and link.sink_token != model_sink:
         raise LinkHintError(f"kv_hints field 'sink_token' is the model's BOS ({model_sink}), got {link.sink_token}")
+    tail_error = vocabulary_error(link.tail, vocab_size, "kv_hints field 'tail'")
+    if tail_error:
+        raise LinkHintError(tail_error)
     return link

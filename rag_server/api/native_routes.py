@@ -73,7 +73,7 @@ async def generate(request: Request) -> Response:
             found = await asyncio.to_thread(_discovered, state, payload, control)
             if found is None:
                 return await forward(request, body)
-            link = LinkRequest.of(found.policy.policy, found.found.chunks)
+            link = LinkRequest.of(found.policy.policy, found.found.chunks, tail=found.found.tail)
             response = await _linked(request, {**_without_prompt(payload), "input_ids": found.input_ids}, link, state)
             response.headers.update(header_of(found))
             return response
@@ -126,7 +126,7 @@ async def _linked(request: Request, payload: dict[str, Any], link: LinkRequest, 
     try:
         if not (isinstance(input_ids, list) and all(isinstance(t, int) for t in input_ids)):
             raise LinkHintError("picrag.link chunk spans index input_ids: send one prompt as a flat input_ids list")
-        link = state.pipeline.with_sink(client_link(link, state.pipeline.sink_token))
+        link = state.pipeline.with_sink(client_link(link, state.pipeline.sink_token, len(state.rag.tokenizer)))
         link.validate(len(input_ids))
         state.rag.policies.check(link.family)
     except LinkHintError as exc:

@@ -35,4 +35,4 @@ class ChatPromptLayout:
         prompt = tokenized(self.tokenizer, text, regions=content_regions(text, [m["content"] for m in messages]))
         found = discover(prompt, lambda piece: self.tokenizer(piece, add_special_tokens=False)["input_ids"],
                          self.settings)
-        return CompiledPrompt(list(prompt.ids), list(found.chunks))
+        return CompiledPrompt(list(prompt.ids), list(found.chunks), found.tail)

@@ -187,7 +187,8 @@ def measure(client: httpx.Client, prompt: CompiledPrompt, policy: str | None, ma
         "stream": True,
     }
     if policy is not None:
-        body["kv_hints"] = link_hints(policy, list(prompt.chunks), report_first_token=first_token_distribution)
+        body["kv_hints"] = link_hints(policy, list(prompt.chunks), report_first_token=first_token_distribution,
+                                       tail=prompt.tail)
     name = policy or "plain prompt"
     started = time.perf_counter()
     ttft = None
@@ -217,7 +218,7 @@ def warm_chunks(client: httpx.Client, layout: PromptLayout, prompt: CompiledProm
 
     Only the pieces are compiled, never the measured prompt, so no measured request is an exact
     repeat that SGLang's prefix matching would answer on its own."""
-    link = LinkRequest.of(policy, prompt.chunks, sink_token=layout.tokenizer.bos_token_id)
+    link = LinkRequest.of(policy, prompt.chunks, sink_token=layout.tokenizer.bos_token_id, tail=prompt.tail)
     segments = segments_to_compile(prompt.input_ids, link)
     for start in range(0, len(segments), 16):  # a few batched requests, not one per piece
         response = client.post("/generate", json=compile_request(segments[start:start + 16]))

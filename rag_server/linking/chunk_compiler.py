@@ -60,7 +60,7 @@ def segments_to_compile(input_ids: list[int], link: LinkRequest) -> list[list[in
         return []
     head_end = link.chunks[0][0]
     head = [input_ids[:head_end]] if head_end > 0 else []
-    return head + [link.stored_chunk(input_ids[start:end]) for start, end in link.chunks]
+    return head + [list(tokens) for tokens in link.stored_chunks(input_ids)]
 
 
 def _passage_set(chunk_keys: Sequence[str]) -> Optional[str]:
@@ -74,7 +74,15 @@ def passage_set_key(input_ids: list[int], link: LinkRequest) -> str | None:
     compile and the link of a request reach the same replica behind the gateway, and so do
     requests over the same passages, where those are cached. The price is balance: one passage
     set is served by one replica, however hot it is."""
-    return _passage_set([chunk_key(input_ids[start:end]) for start, end in link.chunks])
+    return _passage_set(_passage_keys(input_ids, link))
+
+
+def _passage_keys(input_ids: list[int], link: LinkRequest) -> list[str]:
+    """Each passage's content key: its span, the last with the link's tail (the separator it is
+    stored with), so a passage keys alike wherever it stands."""
+    last = len(link.chunks) - 1
+    return [chunk_key(list(input_ids[start:end]) + (list(link.tail) if index == last else []))
+            for index, (start, end) in enumerate(link.chunks)]
 
 
 @dataclass(frozen=True)
@@ -88,11 +96,11 @@ class Pieces:
 
     @classmethod
     def of(cls, input_ids: list[int], link: LinkRequest) -> Pieces:
-        chunk_keys = [chunk_key(input_ids[start:end]) for start, end in link.chunks]
+        chunk_keys = _passage_keys(input_ids, link)
         segments = segments_to_compile(input_ids, link)
-        if not segments or link.family.sink_tokens:  # chunks stored behind sinks: hashed as stored
+        if not segments or link.family.sink_tokens:  # stored with a sink token: hashed so
             keys = [chunk_key(segment) for segment in segments]
-        else:  # the head, then the chunks as they stand in the prompt
+        else:  # the head, then the chunks: their stored form is their passage key
             keys = [chunk_key(head) for head in segments[:len(segments) - len(chunk_keys)]] + chunk_keys
         return cls(tuple(segments), tuple(keys), _passage_set(chunk_keys))
 

@@ -9,20 +9,29 @@ How a prompt is cut:
 1. **Units.** The prompt is cut where a paragraph begins: at the whitespace run of a blank line
    (two or more newlines), and at a single newline before a line that opens a document in the
    forms RAG frameworks emit ("[3] ...", "Document ...", "Source: ...", "<document ...>", "---").
-   The break's whitespace leads the unit after it, because a tokenizer splits "\\n\\n" before a
-   word the same way alone and in context, and not at the end of a text. Special tokens (the
-   chat template's message boundaries) are never inside a unit: a unit lies inside one message.
+   The break's whitespace tokens end the unit before it, as a passage compiled on its own ends
+   with its blank line (retrieval.prompt_layout), so a passage and its separator are one chunk
+   wherever it stands; a tokenizer that folds the break into the token before (Qwen's ".\\n\\n")
+   gives the same cut. Special tokens (the chat template's message boundaries) are never inside
+   a unit: a unit lies inside one message.
 2. **Chunks.** A unit of at least `min_chunk_tokens` tokens is a chunk; a shorter one joins the
    next chunk of its message (a title line, a source line), or stays ordinary prompt when no
    chunk follows it in that message (the question, the answer cue).
-3. **Stable tokens.** A chunk is kept only if its text, tokenized alone, gives exactly the ids it
-   has in the prompt (its KV is computed alone, from those ids); otherwise it is merged with the
-   chunk after it and checked again, and one that never holds is left ordinary.
+3. **Stable tokens.** A chunk is kept only if its text less the whitespace it ends with,
+   tokenized alone, gives exactly the ids it has in the prompt (so the same passage has the same
+   ids wherever it stands: the store shares nothing else); otherwise it is merged with the chunk
+   after it and checked again, and one that never holds is left ordinary. (A tokenizer splits a
+   blank line before a word the same way in every context, and not at the end of a text, so the
+   separator is checked as it stands in the prompt.)
 4. **One run.** The engine grafts chunks that follow one another from the end of the prompt's
    cached head, so one run of back-to-back chunks is linked: the longest (by tokens) outside the
    prompt's first region (the system prompt, which the prefix cache serves exactly), else the
    longest in it. The head before it (system prompt, chat template) stays on the prefix cache,
    and what follows it is computed as the question is.
+5. **The tail.** The run's last passage often ends its message with no blank line after it (the
+   documents of LMCache's blend workload, a permutation's last). It is stored with the separator
+   the chunk before it ends with (the link's `tail`, picrag_core.link_hints): the same stored
+   chunk as where the passage stands elsewhere, and its own tokens' KV the causal prefix of it.
 
 Each chunk is keyed by all of its tokens (picrag_core.chunk_key), so only chunks whose whole
 token sequences are equal share KV: two passages that share windows, or a tiny vocabulary's
@@ -74,6 +83,7 @@ class TokenizedPrompt:
 class Discovered:
     chunks: tuple[tuple[int, int], ...]  # token spans of the prompt, back to back
     candidates: int  # chunks found before the run was chosen (for the usage report and logs)
+    tail: tuple[int, ...] = ()  # the separator the last chunk is stored with (module docstring, 5)
 
     @property
     def chunk_tokens(self) -> int:
@@ -90,9 +100,15 @@ def _breaks(text: str) -> list[tuple[int, int]]:
     return sorted(runs)
 
 
+def _whitespace(prompt: TokenizedPrompt, token: int) -> bool:
+    """A token of the text that is only whitespace (a separator's)."""
+    start, end = prompt.offsets[token]
+    return end > start and prompt.ids[token] not in prompt.special and prompt.text[start:end].isspace()
+
+
 def _cut_tokens(prompt: TokenizedPrompt) -> set[int]:
-    """Token indices where a unit begins: for each break, the first token that starts inside it
-    or right after it (a tokenizer may fold the whitespace into the token before)."""
+    """Token indices where a unit begins: for each break, the first token after its whitespace
+    tokens (a tokenizer may also fold the whitespace into the token before)."""
     cuts = set()
     breaks = _breaks(prompt.text)
     index = 0
@@ -101,10 +117,18 @@ def _cut_tokens(prompt: TokenizedPrompt) -> set[int]:
             continue
         while index < len(breaks) and breaks[index][1] < char_start:
             index += 1
-        if index < len(breaks) and breaks[index][0] <= char_start <= breaks[index][1]:
+        if index < len(breaks) and breaks[index][0] <= char_start <= breaks[index][1] and not _whitespace(prompt, token):
             cuts.add(token)
             index += 1
     return cuts
+
+
+def _trailing_whitespace(prompt: TokenizedPrompt, start: int, end: int) -> int:
+    """How many of the span's last tokens are whitespace."""
+    count = 0
+    while end - count > start and _whitespace(prompt, end - count - 1):
+        count += 1
+    return count
 
 
 def _units(prompt: TokenizedPrompt) -> list[list[tuple[int, int]]]:
@@ -156,15 +180,16 @@ def _chunks_of_message(units: Sequence[tuple[int, int]], min_tokens: int) -> lis
 
 def _stable(chunks: list[tuple[int, int]], prompt: TokenizedPrompt,
             encode: Callable[[str], list[int]]) -> list[tuple[int, int]]:
-    """The chunks whose text tokenizes alone to their ids, a failing one merged with the chunk
-    right after it until it holds (or left out)."""
+    """The chunks whose text (less the whitespace they end with) tokenizes alone to their ids, a
+    failing one merged with the chunk right after it until it holds (or left out)."""
     kept = []
     index = 0
     while index < len(chunks):
         start, end = chunks[index]
         while True:
-            text = prompt.text[prompt.offsets[start][0]:prompt.offsets[end - 1][1]]
-            if tuple(encode(text)) == prompt.ids[start:end]:
+            body_end = end - _trailing_whitespace(prompt, start, end)
+            text = prompt.text[prompt.offsets[start][0]:prompt.offsets[body_end - 1][1]] if body_end > start else ""
+            if text and tuple(encode(text)) == prompt.ids[start:body_end]:
                 kept.append((start, end))
                 break
             if index + 1 < len(chunks) and chunks[index + 1][0] == end:
@@ -204,8 +229,17 @@ def discover(prompt: TokenizedPrompt, encode: Callable[[str], list[int]],
     # that reaches it would be cut there, so it ends before.
     if run and run[-1][1] == len(prompt.ids):
         run = run[:-1]
-    found = Discovered(tuple(run), len(candidates))
+    found = Discovered(tuple(run), len(candidates), _tail(prompt, run))
     return found if found.chunk_tokens >= settings.min_linked_tokens else Discovered((), len(candidates))
+
+
+def _tail(prompt: TokenizedPrompt, run: list[tuple[int, int]]) -> tuple[int, ...]:
+    """The separator the run's last chunk is stored with: the whitespace the chunk before it ends
+    with, where the last ends with none (module docstring, 5)."""
+    if len(run) < 2 or _trailing_whitespace(prompt, *run[-1]):
+        return ()
+    start, end = run[-2]
+    return prompt.ids[end - _trailing_whitespace(prompt, start, end):end]
 
 
 def tokenized(tokenizer, text: str, prefix_ids: Sequence[int] = (),

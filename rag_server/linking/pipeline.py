@@ -235,7 +235,7 @@ class LinkPipeline:
                       params: Any) -> LinkRequest:
         """`link` with the tokens it recomputes chosen by the question's attention over its base
         policy's linked KV, measured by one prefill-only link of that policy (selection.py)."""
-        probe = dataclasses.replace(LinkRequest.of(link.family.scored_as, link.chunks), report_attention=True)
+        probe = dataclasses.replace(link.like(link.family.scored_as), report_attention=True)
         if (probe.family.reuses_chunks, probe.stored_chunk([])) != (link.family.reuses_chunks, link.stored_chunk([])):
             pieces = Pieces.of(input_ids, probe)  # the base policy stores its chunks otherwise
         measured = await self._linked(input_ids, probe, pieces,

@@ -171,7 +171,7 @@ class PolicyResolver:
     def link(self, link: LinkRequest) -> LinkRequest:
         """The link a prompt linked as `link` is sent to the runtime as."""
         instead = self._serves_instead(link.family)
-        return link if instead is None else LinkRequest.of(instead, link.chunks)
+        return link if instead is None else link.like(instead)
 
     @property
     def auto_excluded(self) -> dict[str, str]:

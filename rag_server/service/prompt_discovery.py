@@ -147,7 +147,7 @@ class PromptDiscovery:
         request = RagRequest(question="", policy=found.policy, max_tokens=new_tokens, sampling=sampling,
                              documents=[])
         try:
-            plan = self.service.plan_prompt(request, CompiledPrompt(found.input_ids, list(found.found.chunks)),
+            plan = self.service.plan_prompt(request, CompiledPrompt(found.input_ids, list(found.found.chunks), found.found.tail),
                                             time.perf_counter())
         except PolicyError as exc:
             raise RagRequestError(str(exc)) from exc

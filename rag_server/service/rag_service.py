@@ -196,7 +196,7 @@ class RagService:
     async def run(self, plan: RagPlan) -> AsyncIterator[str | RagResult]:
         """Text deltas as the runtime produces them, then the RagResult."""
         request, prompt = plan.request, plan.prompt
-        link = LinkRequest.of(request.policy.policy, prompt.chunks, self.pipeline.sink_token)
+        link = LinkRequest.of(request.policy.policy, prompt.chunks, self.pipeline.sink_token, prompt.tail)
         link.validate(len(prompt.input_ids))
         sampling = {**request.sampling, "max_new_tokens": request.max_tokens}
         # Always streamed: the first token is seen when it is produced, so TTFT is measured for
