@@ -3,9 +3,9 @@ from each tier, against computing it again.
 
 For chunks of the default model's KV shape (SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64,
 fp32) of --tokens tokens:
-  host      the host-memory tier (sglang_patches.host_chunk_tier): a RAM hit;
-  file      the file store (sglang_patches.disk_chunk_store): read, SHA-256, shape checks;
-  mooncake  the Mooncake store through SGLang's MooncakeStore (sglang_patches.hicache_chunk_store),
+  host      the host-memory tier (sglang_patches.store.host_tier): a RAM hit;
+  file      the file store (sglang_patches.store.disk): read, SHA-256, shape checks;
+  mooncake  the Mooncake store through SGLang's MooncakeStore (sglang_patches.store.hicache),
             a local mooncake_master over TCP loopback: exists, zero-copy get, SHA-256, checks;
 each followed by the copy into a pool of that shape (what ChunkRadixCache._load_from_disk does),
 and
@@ -35,11 +35,11 @@ import torch
 from picrag_core.model_store import ensure_model
 from rag_server.launch.mooncake_master import MooncakeMaster
 from rag_server.launch.ports import free_port
-from sglang_patches.chunk_cache import CacheCounters
-from sglang_patches.chunk_store_spec import parse_chunk_store
-from sglang_patches.disk_chunk_store import DiskChunkStore
-from sglang_patches.hicache_chunk_store import HiCacheChunkStore, mooncake_backend
-from sglang_patches.host_chunk_tier import HostChunkTier
+from sglang_patches.tree.chunk_cache import CacheCounters
+from picrag_core.chunk_store_spec import parse_chunk_store
+from sglang_patches.store.disk import DiskChunkStore
+from sglang_patches.store.hicache import HiCacheChunkStore, mooncake_backend
+from sglang_patches.store.host_tier import HostChunkTier
 
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 

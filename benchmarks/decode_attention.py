@@ -1,4 +1,4 @@
-"""One decode row's attention on CPU, by K/V layout: what `sglang_patches.attention.attend_decode`
+"""One decode row's attention on CPU, by K/V layout: what `sglang_patches.attention.native.attend_decode`
 was chosen on.
 
 A decoding request's single query (SmolLM2-135M's shape by default: 9 query heads, 3 KV heads,
@@ -26,7 +26,7 @@ import time
 import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-from sglang_patches.attention import attend_decode
+from sglang_patches.attention.native import attend_decode
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 Serving a `cacherepair` request gives the model the head's exact KV (a cached prefix), the
 repaired chunk KV (stale + residual in RoPE-free coordinates, keys then rotated to each
-token's prompt position, `sglang_patches.repair.kv_repair`) and computes the question on top.
+token's prompt position, `sglang_patches.steps.kv_repair`) and computes the question on top.
 `FrozenReader.question_logits` does exactly that in plain transformers (fp32), with autograd
 on: the LLM's parameters are frozen, so the gradient of a loss on its logits reaches the
 repair network through the KV alone. The teacher is the joint prefill's logits over the same

@@ -1,10 +1,10 @@
 """The engine's report on each request: picrag's fields in SGLang's response `meta_info`.
 
 SGLang ships a per-request dict of cache details with every response
-(`meta_info.cached_tokens_details`); the engine adds its fields there (sglang_patches.meta_info):
+(`meta_info.cached_tokens_details`); the engine adds its fields there (sglang_patches.steps.meta_info):
 the link's accounting (`LinkCounts.as_meta`), and, when the link asked for them, the first answer
-token's log-probabilities over the whole vocabulary (sglang_patches.first_token_report) and the
-question's attention over every prompt position (sglang_patches.context_attention), each as
+token's log-probabilities over the whole vocabulary (sglang_patches.steps.first_token_report) and the
+question's attention over every prompt position (sglang_patches.steps.context_attention), each as
 base64 of little-endian float32 (`encode_floats`). Everything that reads a response decodes it
 with `EngineReport.of`, here, next to the schema it writes.
 """
@@ -22,6 +22,8 @@ DETAILS_KEY = "cached_tokens_details"
 FIELD_PREFIX = "picrag_"
 FIRST_TOKEN_KEY = FIELD_PREFIX + "first_token_logprobs"
 ATTENTION_KEY = FIELD_PREFIX + "context_attention"
+# The engine's start-up self-check result in /get_server_info's internal states.
+SERVER_INFO_KEY = "picrag_rope_check"
 
 
 def encode_floats(values: Any) -> str:
@@ -35,7 +37,7 @@ def decode_floats(text: str) -> np.ndarray:
 @dataclass(frozen=True)
 class LinkCounts:
     """A linked request's accounting, as the engine reports it (`picrag_<field>`; what each
-    counts: sglang_patches.link_plan.LinkStats)."""
+    counts: sglang_patches.plan.link_plan.LinkStats)."""
 
     policy: str  # the family served (or "compile")
     chunk_hits: int = 0

@@ -20,7 +20,7 @@ and versioned actions, delivered to the tree cache as `req.kv_hints`). Two actio
   no compute, when a chunk is not in the store as the request arrives (`MISS_REFUSAL`): the
   frontend then compiles it again and relinks, and no prefill is thrown away. Without it a
   missing chunk is computed as ordinary tokens. ``"context_attention": true`` asks for the
-  attention the question pays to every prompt position (sglang_patches.context_attention), from
+  attention the question pays to every prompt position (sglang_patches.steps.context_attention), from
   which the frontend picks what a selecting family recomputes. ``"tail": [id, ...]`` (at most
   `MAX_TAIL_TOKENS`) are tokens the last chunk is compiled and stored with after it that the
   prompt does not hold there: a passage found last in a prompt, where the blank line that ends
@@ -62,7 +62,7 @@ MISS_REFUSAL = "picrag: chunks not in the store"
 MISS_REFUSAL_STATUS = 409
 # The longest tail a link may name (a separator: a blank line is one to three tokens).
 MAX_TAIL_TOKENS = 8
-# Above every vocabulary: the engine checks a tail against its own (sglang_patches.request_guard).
+# Above every vocabulary: the engine checks a tail against its own (sglang_patches.guard.request_guard).
 MAX_TOKEN_ID = 1 << 31
 
 # Policy errors and link-hint errors are one kind: a request the engine cannot serve as asked.

@@ -5,7 +5,7 @@ tokens before it in its chunk (and on its position only through RoPE), RoPE is o
 per position whatever the prompt's length (so a cached key moves by one more rotation), and
 every layer attends to every earlier token (so a linked chunk is seen whole). A model whose
 config breaks one of them gets its chunk-reusing families refused, with the reason, by the
-engine (sglang_patches.request_guard) and the frontend (rag_server/linking/policy_resolver.py)
+engine (sglang_patches.guard.request_guard) and the frontend (rag_server/linking/policy_resolver.py)
 alike; `prefix` and `full` are SGLang's own and stay. What is read:
 
 * sliding-window layers (Mistral v0.1, Phi-3-mini-4k, Gemma 2/3, some Qwen2 configs) narrower
@@ -19,13 +19,13 @@ alike; `prefix` and `full` are SGLang's own and stay. What is read:
   length or on several position axes, not on one position;
 
 Some models the runtime itself would compute wrongly, whatever the policy; `picrag serve`
-refuses them at start (sglang_patches.attention_backends.model_backend_refusal): attention logit
+refuses them at start (picrag_core.attention_backends.model_backend_refusal): attention logit
 soft-capping (Gemma 2) on a backend that does not cap, routed experts on CPU (SGLang's CPU MoE
 answers zeros without sgl-kernel's ops), a partial rotary factor that SGLang's Llama classes
 do not see, and a sliding window narrower than the served context on an SGLang class that
 attends over the whole context instead (`runtime_refusal`).
 
-CacheBlend runs inside the decoder layers (sglang_patches.cacheblend), whose hook covers the
+CacheBlend runs inside the decoder layers (sglang_patches.steps.cacheblend), whose hook covers the
 architectures in BLEND_ARCHITECTURES; for others it steps aside and `cacheblend` is refused.
 The families picrag's test matrix serves (tests/test_model_matrix.py) are TESTED_ARCHITECTURES;
 another architecture is served on what its config says, with a warning.

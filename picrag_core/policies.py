@@ -86,10 +86,10 @@ class PolicyFamily:
     # Recomputes the chunk tokens the question attends to most over the linked KV: the frontend
     # first links the prompt as this family to measure that attention (rag_server/linking/selection.py).
     scored_as: Optional[str] = None
-    # Chunks are extend tokens whose cached KV is placed in the forward (sglang_patches.cacheblend)
+    # Chunks are extend tokens whose cached KV is placed in the forward (sglang_patches.steps.cacheblend)
     # instead of grafted into the tree as prefix.
     blends_chunks: bool = False
-    # Grafted chunk KV is corrected by the CacheRepair network (sglang_patches.repair.kv_repair).
+    # Grafted chunk KV is corrected by the CacheRepair network (sglang_patches.steps.kv_repair).
     repairs: bool = False
     # The family served instead when the engine holds no repair checkpoint.
     unrepaired: Optional[str] = None

@@ -7,8 +7,8 @@ reordered: ``[head][kept tokens of chunk 1]...[kept tokens of chunk n][recompute
 prompt order][question]``. The head and the kept tokens are cached (each run of kept tokens
 grafted from its stored chunk, re-positioned to its true offset), the recomputed tokens and
 the question are the extend, and every token keeps its true position: the forward runs them at
-those positions (sglang_patches.positions) and attention masks by true position
-(sglang_patches.attention), so the result is exactly the policy on the original prompt. The
+those positions (sglang_patches.steps.positions) and attention masks by true position
+(sglang_patches.attention.native), so the result is exactly the policy on the original prompt. The
 question stays last, so decoding needs nothing special.
 """
 

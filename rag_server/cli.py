@@ -59,7 +59,7 @@ def _fraction(text: str) -> float:
 
 def _byte_size(text: str) -> int:
     """Bytes, as a count with an optional K, M, G or T (binary) suffix: 500M, 20G."""
-    from sglang_patches.chunk_store_spec import byte_size
+    from picrag_core.chunk_store_spec import byte_size
 
     try:
         return byte_size(text)
@@ -72,7 +72,7 @@ def _byte_size_or_zero(text: str) -> int:
 
 
 def _chunk_store(text: str):
-    from sglang_patches.chunk_store_spec import parse_chunk_store
+    from picrag_core.chunk_store_spec import parse_chunk_store
 
     try:
         return parse_chunk_store(text)
@@ -96,7 +96,7 @@ def _serve(args: argparse.Namespace) -> int:
     if not args.start_mooncake_master:
         return _serve_engines(args)
     from rag_server.launch.mooncake_master import MooncakeMaster, MooncakeMasterError
-    from sglang_patches.chunk_store_spec import MooncakeSpec
+    from picrag_core.chunk_store_spec import MooncakeSpec
 
     if not isinstance(args.chunk_store, MooncakeSpec):
         print("picrag serve: error: --start-mooncake-master needs --chunk-store mooncake://HOST:PORT",

@@ -1,29 +1,29 @@
 """picrag's SGLang plugin (entry-point group ``sglang.srt.plugins``).
 
 SGLang calls `register` early in its main, scheduler and detokenizer processes. It adds:
-* the radix-cache backend ``pic`` (`--radix-cache-backend pic`): sglang_patches.chunk_cache;
+* the radix-cache backend ``pic`` (`--radix-cache-backend pic`): sglang_patches.tree.chunk_cache;
 * the attention backend ``picrag_native`` (`--attention-backend picrag_native`): SGLang's
-  torch_native backend with extend attention on real query rows only (sglang_patches.attention);
+  torch_native backend with extend attention on real query rows only (sglang_patches.attention.native);
 * the attention backend ``picrag_flashinfer`` (CUDA): SGLang's FlashInfer backend whose extends
   with true-position annotations run FlashInfer prefill with a custom mask
-  (sglang_patches.flashinfer_attention);
-* a hook that adds each request's chunk-cache accounting to ``meta_info`` (sglang_patches.meta_info);
+  (sglang_patches.attention.flashinfer);
+* a hook that adds each request's chunk-cache accounting to ``meta_info`` (sglang_patches.steps.meta_info);
 * a hook that keeps the first answer token's full-vocabulary log-probabilities for links that
-  ask (sglang_patches.first_token_report);
+  ask (sglang_patches.steps.first_token_report);
 * hooks that annotate each extend batch from its requests' link plans (true positions of reordered
-  LegoLink prompts, sglang_patches.positions; CacheBlend's cached KV, sglang_patches.cacheblend),
+  LegoLink prompts, sglang_patches.steps.positions; CacheBlend's cached KV, sglang_patches.steps.cacheblend),
   end their chunk leases, and keep the annotations on the eager runner's copy of the batch
-  (sglang_patches.batch_annotations);
-* hooks that run CacheBlend's selective recompute in the decoder layers (sglang_patches.cacheblend);
+  (sglang_patches.steps.batch_annotations);
+* hooks that run CacheBlend's selective recompute in the decoder layers (sglang_patches.steps.cacheblend);
 * a hook on the scheduler's intake that leases a linked request's stored chunks and refuses,
-  before any compute, a link whose chunks are missing when it asked so (sglang_patches.link_admission);
+  before any compute, a link whose chunks are missing when it asked so (sglang_patches.tree.link_admission);
 * a hook on the tokenizer manager's per-request validation that refuses token ids outside the
-  vocabulary and picrag hints the engine does not admit (sglang_patches.request_guard);
+  vocabulary and picrag hints the engine does not admit (sglang_patches.guard.request_guard);
 * a hook that reports the chunk cache's start-up re-rotation check in `/server_info`
   (sglang_patches.selfcheck);
-* a hook that applies RoPE on CPU with cos/sin gathered once per forward (sglang_patches.rotary);
+* a hook that applies RoPE on CPU with cos/sin gathered once per forward (sglang_patches.cpu.rotary);
 * hooks that run CPU decode steps without SGLang's per-layer boundary objects
-  (sglang_patches.lean_decode).
+  (sglang_patches.cpu.lean_decode).
 """
 
 from __future__ import annotations
@@ -37,15 +37,15 @@ SUPPORTED_SGLANG = "0.5.23"
 
 
 def _disk_store(ctx, kv_pool):
-    """The chunk store of this scheduler process (sglang_patches.chunk_store_spec: a directory or a
+    """The chunk store of this scheduler process (picrag_core.chunk_store_spec: a directory or a
     Mooncake store), or None without one. Each tensor/pipeline rank gets its own directory or key
     space, and so does each combination of KV options."""
     import os
     from pathlib import Path
 
-    from sglang_patches.chunk_store_spec import MAX_BYTES_ENV, TIMEOUT_ENV, MooncakeSpec, spec_from_env
-    from sglang_patches.disk_chunk_store import KV_SERVER_OPTIONS, DiskChunkStore, partition_name
-    from sglang_patches.hicache_chunk_store import DEFAULT_TIMEOUT_S, HiCacheChunkStore, mooncake_backend
+    from picrag_core.chunk_store_spec import MAX_BYTES_ENV, TIMEOUT_ENV, MooncakeSpec, spec_from_env
+    from sglang_patches.store.disk import KV_SERVER_OPTIONS, DiskChunkStore, partition_name
+    from sglang_patches.store.hicache import DEFAULT_TIMEOUT_S, HiCacheChunkStore, mooncake_backend
     from picrag_core.model_fingerprint import model_fingerprint
 
     spec = spec_from_env()
@@ -73,11 +73,11 @@ def _disk_store(ctx, kv_pool):
 
 
 def _with_host_tier(store, counters):
-    """`store` behind the host-memory tier (sglang_patches.host_chunk_tier), unless it is off."""
+    """`store` behind the host-memory tier (sglang_patches.store.host_tier), unless it is off."""
     import os
 
-    from sglang_patches.chunk_store_spec import HOST_BYTES_ENV
-    from sglang_patches.host_chunk_tier import DEFAULT_HOST_BYTES, HostChunkTier
+    from picrag_core.chunk_store_spec import HOST_BYTES_ENV
+    from sglang_patches.store.host_tier import DEFAULT_HOST_BYTES, HostChunkTier
 
     host_bytes = int(os.environ.get(HOST_BYTES_ENV) or DEFAULT_HOST_BYTES)
     if store is None or host_bytes <= 0:
@@ -97,12 +97,12 @@ def _chunk_cache_factory(ctx):
 
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
-    from sglang_patches.chunk_cache import ChunkRadixCache
-    from sglang_patches.metrics import prometheus_counters
-    from sglang_patches.request_guard import EngineSettings
+    from sglang_patches.tree.chunk_cache import ChunkRadixCache
+    from sglang_patches.tree.metrics import prometheus_counters
+    from sglang_patches.guard.request_guard import EngineSettings
     from sglang_patches.selfcheck import ROPE_CHECK_ATTR, rope_shifter
 
-    from sglang_patches.repair.kv_repair import load_engine_repairer
+    from sglang_patches.steps.kv_repair import load_engine_repairer
 
     model = ctx.tp_worker.model_runner.model
     kv_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
@@ -136,10 +136,12 @@ def register() -> None:
         )
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
-    from sglang_patches import (
-        attention, batch_annotations, cacheblend, first_token_report, flashinfer_attention, lean_decode,
-        link_admission, meta_info, request_guard, rotary, selfcheck,
-    )
+    from sglang_patches import selfcheck
+    from sglang_patches.attention import flashinfer as flashinfer_attention, native as attention
+    from sglang_patches.cpu import lean_decode, rotary
+    from sglang_patches.guard import request_guard
+    from sglang_patches.steps import batch_annotations, cacheblend, first_token_report, meta_info
+    from sglang_patches.tree import link_admission
 
     if get_radix_cache_factory(RADIX_CACHE_BACKEND) is None:
         register_radix_cache_backend(RADIX_CACHE_BACKEND, _chunk_cache_factory)

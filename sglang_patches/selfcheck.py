@@ -19,11 +19,11 @@ from typing import Any, Optional
 
 import torch
 
+from picrag_core.engine_report import SERVER_INFO_KEY
 from picrag_core.rope_shift import KeyShifter, RopeShiftError, rotary_embedding_of
 
 # The tree cache attribute and the /server_info key that hold the check.
 ROPE_CHECK_ATTR = "picrag_rope_check"
-SERVER_INFO_KEY = "picrag_rope_check"
 HOOK_TARGET = (
     "sglang.srt.managers.scheduler_components.internal_state."
     "SchedulerInternalStateController.get_internal_state"

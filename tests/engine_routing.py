@@ -12,10 +12,10 @@ from array import array
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from sglang_patches.attention_backends import NATIVE_BACKEND
-from sglang_patches.chunk_cache import ChunkRadixCache
-from sglang_patches.link_plan import LinkPlan
-from sglang_patches.request_guard import EngineSettings
+from picrag_core.attention_backends import NATIVE_BACKEND
+from sglang_patches.tree.chunk_cache import ChunkRadixCache
+from sglang_patches.plan.link_plan import LinkPlan
+from sglang_patches.guard.request_guard import EngineSettings
 
 BOS = 1
 # Stands for a loaded checkpoint: routing reads its digest only.

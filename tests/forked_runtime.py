@@ -2,10 +2,10 @@
 runtime per model (the model matrix, one tiny model per decoder family).
 
 A runtime that `picrag serve` starts on CPU imports SGLang once, in its server process, and forks
-its scheduler and detokenizer (sglang_patches.cpu_launch): about 17 s on two cores, most of it
+its scheduler and detokenizer (sglang_patches.cpu.launch): about 17 s on two cores, most of it
 that import. The zygote here imports SGLang's server, scheduler, detokenizer and model classes
 once and loads the plugins, computes nothing (an OpenMP thread pool does not survive a fork), and
-forks for each runtime a child that runs what `python -m sglang_patches.cpu_launch` runs, with
+forks for each runtime a child that runs what `python -m sglang_patches.cpu.launch` runs, with
 `RuntimeConfig.command()`'s arguments and `RuntimeConfig.env()`'s environment: the same SGLang
 code, arguments and plugins, and no import per runtime (about 10 s a start).
 
@@ -144,10 +144,10 @@ def _import_sglang() -> None:
 
 
 def _run_runtime(argv: list[str], env: dict[str, str], log: str) -> None:
-    """In the forked child: what `python -m sglang_patches.cpu_launch ARGV` runs after its imports."""
+    """In the forked child: what `python -m sglang_patches.cpu.launch ARGV` runs after its imports."""
     from sglang.srt.utils import kill_process_tree
 
-    from sglang_patches import cpu_launch
+    from sglang_patches.cpu import launch as cpu_launch
 
     os.setsid()  # its own process group, stopped whole
     with open(os.devnull, "rb") as nothing:

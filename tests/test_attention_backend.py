@@ -10,9 +10,9 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
-from sglang_patches.attention import (DecodeRows, QueryOnlyTorchNativeBackend, attend_decode, gather_kv,
+from sglang_patches.attention.native import (DecodeRows, QueryOnlyTorchNativeBackend, attend_decode, gather_kv,
                                       offset_causal_mask)
-from sglang_patches.forward_annotations import ForwardAnnotations
+from sglang_patches.steps.forward_annotations import ForwardAnnotations
 
 
 HEADS, KV_HEADS, DIM = 6, 2, 16
@@ -173,7 +173,7 @@ def test_extend_forgets_its_request_slots_and_a_new_decode_step_keeps_only_its_o
 
     monkeypatch.setattr(TorchNativeAttnBackend, "forward_extend", lambda self, *a, **kw: "extended")
     monkeypatch.setattr(TorchNativeAttnBackend, "forward_decode", lambda self, *a, **kw: self._decode_layer)
-    import sglang_patches.attention as attention
+    import sglang_patches.attention.native as attention
 
     monkeypatch.setattr(attention, "annotations_of", lambda batch: None)
     backend = object.__new__(QueryOnlyTorchNativeBackend)
@@ -210,7 +210,7 @@ def test_flashinfer_position_masked_extend_equals_picrag_native():
     """Three requests in one batch: a reordered LegoLink row (true positions), a CacheBlend row
     (scattered query positions) and a plain one; the FlashInfer path's plumbing must give exactly
     what picrag_native computes for the same annotations."""
-    from sglang_patches.flashinfer_attention import position_masked_extend
+    from sglang_patches.attention.flashinfer import position_masked_extend
 
     gen = torch.Generator().manual_seed(3)
     seq_lens, extend_lens = [40, 30, 25], [9, 5, 25]
@@ -265,8 +265,8 @@ def test_flashinfer_backend_writes_the_extend_kv_then_masks_annotated_batches(mo
 
     from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
-    from sglang_patches import flashinfer_attention
-    from sglang_patches.forward_annotations import ATTR
+    from sglang_patches.attention import flashinfer as flashinfer_attention
+    from sglang_patches.steps.forward_annotations import ATTR
 
     gen = torch.Generator().manual_seed(5)
     seq_lens, extend_lens = [30, 12], [6, 12]

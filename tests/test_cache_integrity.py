@@ -1,6 +1,6 @@
 """No client can corrupt the shared chunk cache or take the runtime down through what it sends.
 
-The engine is the trust boundary (sglang_patches.request_guard, the chunk cache's routing); the
+The engine is the trust boundary (sglang_patches.guard.request_guard, the chunk cache's routing); the
 frontend refuses the same fields with a 400 naming them (rag_server/api/client_fields.py). The
 server tests run each attack through the frontend and straight at the runtime, then check that
 linked requests answer exactly as they did before any attack: the same output ids and
@@ -20,14 +20,14 @@ import pytest
 from rag_server.api.client_fields import client_link, refused_field
 from rag_server.linking.chunk_compiler import compile_request, segments_to_compile
 from retrieval.prompt_layout import passage_text, question_text
-from sglang_patches.attention_backends import NATIVE_BACKEND
-from sglang_patches.chunk_cache import CHUNK_NAMESPACE, ChunkRadixCache
+from picrag_core.attention_backends import NATIVE_BACKEND
+from sglang_patches.tree.chunk_cache import CHUNK_NAMESPACE, ChunkRadixCache
 from picrag_core.engine_report import EngineReport
 from picrag_core.link_hints import (COMPILE_ACTION, LINK_ACTION, LinkHintError, LinkRequest, compile_hints,
                                        hints_of, parse_link_request, runtime_request)
-from sglang_patches.request_guard import (EngineSettings, RequestShape, admitted_link, check_token_ids,
-                                          client_namespace, shape_of_req)
-from sglang_patches.tree_keys import GRAFTED, SEGMENT_START
+from picrag_core.request_bounds import check_token_ids, client_namespace
+from sglang_patches.guard.request_guard import EngineSettings, RequestShape, admitted_link, shape_of_req
+from sglang_patches.plan.keys import GRAFTED, SEGMENT_START
 from tests.chunk_requests import passages_of
 from tests.engine_routing import BOS, routed
 

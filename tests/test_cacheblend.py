@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from sglang_patches.cacheblend import select_rows
+from sglang_patches.steps.cacheblend import select_rows
 from picrag_core.link_hints import LinkHintError, LinkRequest, parse_link_request
 from picrag_core.policies import parse_policy
 from tests.chunk_requests import assert_same_answer, first_token_top, passages_of, picrag_meta, run

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_patches.repair.kv_repair import RepairPart, RepairSpan, repair_spans
+from sglang_patches.steps.kv_repair import RepairPart, RepairSpan, repair_spans
 from picrag_core.rope_shift import KeyShifter
 from tests.chunk_requests import counters, first_token_top, passages_of, picrag_meta, question_tokens, run
 

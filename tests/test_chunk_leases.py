@@ -1,4 +1,4 @@
-"""The chunk cache's leases (sglang_patches/chunk_cache.py): what a linked request locks on
+"""The chunk cache's leases (sglang_patches/tree/chunk_cache.py): what a linked request locks on
 arrival, when it is refused, when the locks go. The tree is faked: these are the bookkeeping
 rules; the refusal and the eviction order run against the real engine in test_chunk_cache.py
 and test_chunk_cache_eviction.py."""
@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
-from sglang_patches.chunk_cache import CacheCounters, ChunkRadixCache
+from sglang_patches.tree.chunk_cache import CacheCounters, ChunkRadixCache
 from picrag_core.link_hints import MISS_REFUSAL, LinkRequest
-from sglang_patches.link_plan import LinkStats, plan_of
+from sglang_patches.plan.link_plan import LinkStats, plan_of
 
 POOL = 1000
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from picrag_core.chunk_key import chunk_key
-from sglang_patches.disk_chunk_store import CorruptChunkFile, DiskChunkStore
+from sglang_patches.store.disk import CorruptChunkFile, DiskChunkStore
 from tests.chunk_requests import counters, generate, logprobs_of, passages_of, picrag_meta, wait_for_counter
 from tests.conftest import start_picrag_server, stop_picrag_server
 

@@ -19,14 +19,14 @@ import torch
 from picrag_core.chunk_key import chunk_key
 from rag_server.launch.mooncake_master import MooncakeMaster
 from rag_server.launch.ports import free_port
-from sglang_patches.chunk_cache import CacheCounters, ChunkRadixCache
-from sglang_patches.chunk_codec import (
+from sglang_patches.tree.chunk_cache import CacheCounters, ChunkRadixCache
+from sglang_patches.store.codec import (
     HEADER_BYTES, ChunkIdentity, CorruptChunkFile, KVLayout, decode_frame, encode_frame, frame_bytes,
 )
-from sglang_patches.chunk_store_spec import MooncakeSpec, parse_chunk_store
-from sglang_patches.hicache_chunk_store import HiCacheChunkStore, mooncake_backend
-from sglang_patches.host_chunk_tier import HostChunkTier
-from sglang_patches.store_calls import StoreUnavailable, TimedLane
+from picrag_core.chunk_store_spec import MooncakeSpec, parse_chunk_store
+from sglang_patches.store.hicache import HiCacheChunkStore, mooncake_backend
+from sglang_patches.store.host_tier import HostChunkTier
+from sglang_patches.store.calls import StoreUnavailable, TimedLane
 from tests.test_disk_tier_faults import TOKENS, Pool, cache_with, kv, save_chunk
 
 IDENTITY = ChunkIdentity("fp-a", "tp0of1", chunk_key(TOKENS))
@@ -281,7 +281,7 @@ def test_a_corrupt_mooncake_value_is_a_counted_reject(mooncake):
 
 
 def test_the_hicache_storage_seam_the_mooncake_tier_calls():
-    """sglang_patches.hicache_chunk_store builds MooncakeStore through SGLang's backend factory and
+    """sglang_patches.store.hicache builds MooncakeStore through SGLang's backend factory and
     calls its key-value methods with zero-copy locations (sglang==0.5.23)."""
     import inspect
 

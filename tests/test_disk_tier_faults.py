@@ -21,11 +21,12 @@ import torch
 from safetensors import SafetensorError
 
 from rag_server.bench.load import flush_when_idle
-from sglang_patches import disk_chunk_store, plugin
-from sglang_patches.chunk_cache import CacheCounters, ChunkRadixCache
+from sglang_patches import plugin
+from sglang_patches.store import disk as disk_chunk_store
+from sglang_patches.tree.chunk_cache import CacheCounters, ChunkRadixCache
 from picrag_core.chunk_key import chunk_key
-from sglang_patches.chunk_store_spec import MAX_BYTES_ENV, STORE_DIR_ENV
-from sglang_patches.disk_chunk_store import DiskChunkStore
+from picrag_core.chunk_store_spec import MAX_BYTES_ENV, STORE_DIR_ENV
+from sglang_patches.store.disk import DiskChunkStore
 from tests.chunk_requests import generate, logprobs_of, passages_of, wait_for_counter
 from tests.conftest import start_picrag_server, stop_picrag_server
 

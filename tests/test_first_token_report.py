@@ -43,8 +43,8 @@ def test_the_distribution_goes_with_the_finished_output_only():
     from types import SimpleNamespace
 
     from picrag_core.engine_report import FIRST_TOKEN_KEY
-    from sglang_patches.link_plan import PLAN_ATTR, LinkStats
-    from sglang_patches.meta_info import add_link_stats
+    from sglang_patches.plan.link_plan import PLAN_ATTR, LinkStats
+    from sglang_patches.steps.meta_info import add_link_stats
 
     plan = SimpleNamespace(stats=LinkStats("naive", first_token_logprobs="encoded"), answered=lambda: None, order=None)
     for stream in (True, False):

@@ -1,4 +1,4 @@
-"""picrag's lean CPU decode step (sglang_patches.lean_decode): SGLang's arithmetic, bit for bit
+"""picrag's lean CPU decode step (sglang_patches.cpu.lean_decode): SGLang's arithmetic, bit for bit
 where it is rewritten, only where it applies, and a served decode that agrees with SGLang's own
 prefill."""
 
@@ -14,7 +14,7 @@ import torch
 
 from sglang.srt.layers.layernorm import RMSNorm
 
-from sglang_patches import lean_decode
+from sglang_patches.cpu import lean_decode
 
 HIDDEN = 576  # SmolLM2-135M
 

@@ -13,8 +13,8 @@ from picrag_core.model_support import (BLEND_ARCHITECTURES, TESTED_ARCHITECTURES
                                        model_refusals)
 from picrag_core.policies import POLICY_FAMILIES
 from rag_server.linking.policy_resolver import PolicyResolver, PolicyUnavailable, engine_refusals
-from sglang_patches.attention_backends import FLASHINFER_BACKEND, NATIVE_BACKEND, model_backend_refusal
-from sglang_patches.request_guard import EngineSettings, RequestShape, admitted_link
+from picrag_core.attention_backends import FLASHINFER_BACKEND, NATIVE_BACKEND, model_backend_refusal
+from sglang_patches.guard.request_guard import EngineSettings, RequestShape, admitted_link
 
 CHUNK_FAMILIES = sorted(name for name, family in POLICY_FAMILIES.items() if family.reuses_chunks)
 

@@ -89,7 +89,7 @@ def test_a_chunk_evicted_from_the_pool_is_reloaded_from_host_memory_before_the_s
     _wait_for_saves(replicas, home, before[home])
     with httpx.Client(base_url=replicas.urls[home], timeout=600) as direct:
         # A plain prompt nearly as long as the pool: SGLang evicts every unlocked node for it,
-        # the stored chunks last (sglang_patches.chunk_cache.ChunksLast), but these too.
+        # the stored chunks last (sglang_patches.tree.chunk_cache.ChunksLast), but these too.
         flood = {"input_ids": list(range(100, 100 + POOL_TOKENS - 200)), "sampling_params": {"max_new_tokens": 1}}
         assert direct.post("/generate", json=flood).status_code == 200
         reloaded_before = replicas.counters()[home]

@@ -30,7 +30,7 @@ from rag_server.launch.replicas import ExternalEngines, ReplicaSet, engines_for,
 from rag_server.launch.runtime import RuntimeConfig, SGLangRuntime
 from rag_server.linking.chunk_compiler import ROUTING_KEY_HEADER, passage_set_key
 from picrag_core.chunk_key import chunk_key
-from sglang_patches.disk_chunk_store import DiskChunkStore
+from sglang_patches.store.disk import DiskChunkStore
 from picrag_core.link_hints import LinkRequest, link_hints
 from tests.chunk_requests import assert_same_answer, counters, passages_of
 from tests.conftest import ServerHandle, start_picrag_server, stop_picrag_server

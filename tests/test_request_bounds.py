@@ -1,5 +1,5 @@
 """The typed allowlist of forwarded bodies (rag_server/api/forwarded_bodies.py) and the engine's
-bounds (sglang_patches/sampling_guard.py), without a model: each bound refuses with a 400 naming
+bounds (picrag_core/request_bounds.py), without a model: each bound refuses with a 400 naming
 its field, unlisted fields are refused unless passed through, and `n` takes --max-inflight slots.
 The same requests against the real engine: tests/test_request_bounds_server.py."""
 
@@ -15,9 +15,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from rag_server.api.forwarded_bodies import ChatBody, CompletionBody, ForwardLimits, GenerateBody, parse_forwarded
-from sglang_patches import sampling_guard
+from picrag_core import request_bounds
 from picrag_core.link_hints import link_hints
-from sglang_patches.sampling_guard import MAX_BATCH_PROMPTS, MAX_CHUNK_SPANS, MAX_N, MAX_TOP_LOGPROBS
+from picrag_core.request_bounds import MAX_BATCH_PROMPTS, MAX_CHUNK_SPANS, MAX_N, MAX_TOP_LOGPROBS
 from tests.fake_runtime import fake_runtime
 from tests.inprocess_frontend import frontend
 
@@ -54,10 +54,10 @@ def refusal(body_type, payload, limits=LIMITS):
     (GenerateBody, {"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 3}, "logprob_start_len"),
     (GenerateBody, {"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
     # Structured output only through the grammar backend, and bounded.
-    (GenerateBody, {"text": "hi", "sampling_params": {"regex": "a" * (sampling_guard.MAX_GRAMMAR_CHARS + 1)}},
+    (GenerateBody, {"text": "hi", "sampling_params": {"regex": "a" * (request_bounds.MAX_GRAMMAR_CHARS + 1)}},
      "sampling_params.regex"),
     (ChatBody, {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"enum": ["a" * sampling_guard.MAX_GRAMMAR_CHARS]}}}},
+        "name": "x", "schema": {"enum": ["a" * request_bounds.MAX_GRAMMAR_CHARS]}}}},
      "response_format.json_schema.schema"),
     # Values SGLang would take but no client of picrag needs.
     (GenerateBody, {"text": "hi", "sampling_params": {"temperature": float("nan")}}, "sampling_params.temperature"),
@@ -126,8 +126,8 @@ def _obj(**fields):
     ({"top_logprobs_num": 10_000_000}, "top_logprobs_num: 10000000 is outside [0, 20]"),
     ({"token_ids_logprob": list(range(21))}, "token_ids_logprob: 21 entries, over the limit of 20"),
     ({"logprob_start_len": 5}, "logprob_start_len: 5 is not -1 or a position inside the 5-token prompt"),
-    ({"sampling_params": {"stop_regex": "(a+)+b"}}, f"sampling_params.stop_regex: {sampling_guard.STOP_REGEX_REFUSAL}"),
-    ({"sampling_params": {"stop_regex": ["x"]}}, f"sampling_params.stop_regex: {sampling_guard.STOP_REGEX_REFUSAL}"),
+    ({"sampling_params": {"stop_regex": "(a+)+b"}}, f"sampling_params.stop_regex: {request_bounds.STOP_REGEX_REFUSAL}"),
+    ({"sampling_params": {"stop_regex": ["x"]}}, f"sampling_params.stop_regex: {request_bounds.STOP_REGEX_REFUSAL}"),
     ({"sampling_params": {"n": 64}}, "sampling_params.n: 64 is outside [1, 4]"),
     ({"sampling_params": {"beam_width": 5}}, "sampling_params.beam_width: 5 is outside [1, 4]"),
     ({"sampling_params": {"stop": ["x"] * 17}}, "sampling_params.stop: 17 entries, over the limit of 16"),
@@ -142,7 +142,7 @@ def _obj(**fields):
 ])
 def test_the_engine_refuses_what_could_crash_or_stall_its_scheduler(fields, message):
     with pytest.raises(ValueError) as refused:
-        sampling_guard.check_request(_obj(**fields), list(range(5)))
+        request_bounds.check_request(_obj(**fields), list(range(5)))
     assert str(refused.value) == message
 
 
@@ -150,7 +150,7 @@ def test_the_engine_admits_ordinary_requests():
     for fields in ({}, {"top_logprobs_num": 20, "logprob_start_len": 4, "token_ids_logprob": [1, 2]},
                    {"sampling_params": {"n": 4, "stop": ["\n"] * 16, "stop_regex": None, "regex": "a+"}},
                    {"kv_hints": link_hints("naive", [(0, 2), (2, 4)])}):
-        sampling_guard.check_request(_obj(**fields), list(range(5)))
+        request_bounds.check_request(_obj(**fields), list(range(5)))
 
 
 def _counting_generate(seen: list[dict]):

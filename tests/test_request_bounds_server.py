@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from picrag_core.link_hints import link_hints
-from sglang_patches.sampling_guard import MAX_CHUNK_SPANS, MAX_N, MAX_TOP_LOGPROBS
+from picrag_core.request_bounds import MAX_CHUNK_SPANS, MAX_N, MAX_TOP_LOGPROBS
 
 pytestmark = pytest.mark.server
 

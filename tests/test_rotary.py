@@ -1,4 +1,4 @@
-"""picrag's CPU RoPE (sglang_patches.rotary) against SGLang's own forward_native: bit for bit."""
+"""picrag's CPU RoPE (sglang_patches.cpu.rotary) against SGLang's own forward_native: bit for bit."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
 
-from sglang_patches import rotary
+from sglang_patches.cpu import rotary
 
 HEAD, Q_HEADS, KV_HEADS = 64, 9, 3  # SmolLM2-135M's attention
 

@@ -9,7 +9,11 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 import sglang
 import torch
 
-from sglang_patches import first_token_report, lean_decode, link_admission, meta_info, plugin, request_guard, rotary
+from sglang_patches import plugin
+from sglang_patches.cpu import lean_decode, rotary
+from sglang_patches.guard import request_guard
+from sglang_patches.steps import first_token_report, meta_info
+from sglang_patches.tree import link_admission
 
 
 def resolve(dotted: str):
@@ -34,7 +38,7 @@ def test_hooked_method_signature():
 
 
 def test_the_rotary_picrag_wraps_and_the_dispatch_that_reaches_it_on_cpu():
-    """sglang_patches.rotary wraps forward_native, which SGLang's CPU dispatch calls without sgl-kernel's AMX op."""
+    """sglang_patches.cpu.rotary wraps forward_native, which SGLang's CPU dispatch calls without sgl-kernel's AMX op."""
     from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
 
     assert list(inspect.signature(resolve(rotary.HOOK_TARGET)).parameters) == [
@@ -45,7 +49,7 @@ def test_the_rotary_picrag_wraps_and_the_dispatch_that_reaches_it_on_cpu():
 
 
 def test_the_model_forwards_lean_decode_replaces_on_cpu_decode_steps():
-    """sglang_patches.lean_decode re-runs these models' layers in the order their boundaries do:
+    """sglang_patches.cpu.lean_decode re-runs these models' layers in the order their boundaries do:
     embedding, then per layer input norm, attention, post-attention norm, MLP, then the final norm."""
     for target in lean_decode.HOOK_TARGETS:
         model_forward = resolve(target)
@@ -122,7 +126,7 @@ def test_the_flashinfer_backend_members_picrag_relies_on():
     from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-    from sglang_patches.flashinfer_attention import PositionMaskedFlashInferBackend
+    from sglang_patches.attention.flashinfer import PositionMaskedFlashInferBackend
 
     assert issubclass(PositionMaskedFlashInferBackend, FlashInferAttnBackend)
     assert list(inspect.signature(FlashInferAttnBackend.forward_extend).parameters) == [
@@ -148,7 +152,7 @@ def test_cuda_runtime_uses_picrag_flashinfer_without_prefill_graphs(tmp_path):
 
 
 def test_cpu_runtimes_start_through_cpu_launch_which_overrides_sglangs_spawn(tmp_path):
-    """sglang_patches.cpu_launch forks the workers SGLang's launch would spawn: the launch still
+    """sglang_patches.cpu.launch forks the workers SGLang's launch would spawn: the launch still
     asks for 'spawn' by that one statement, and after use_forked_workers no request changes 'fork'."""
     import subprocess
     import sys
@@ -156,18 +160,18 @@ def test_cpu_runtimes_start_through_cpu_launch_which_overrides_sglangs_spawn(tmp
     from sglang.srt.entrypoints import engine
 
     from rag_server.launch.runtime import RuntimeConfig
-    from sglang_patches import cpu_launch
+    from sglang_patches.cpu import launch as cpu_launch
 
     assert cpu_launch.SPAWN_STATEMENT in inspect.getsource(engine._set_envs_and_config)
-    assert RuntimeConfig(model_path=tmp_path, device="cpu").resolved().command()[1:3] == ["-m", "sglang_patches.cpu_launch"]
+    assert RuntimeConfig(model_path=tmp_path, device="cpu").resolved().command()[1:3] == ["-m", "sglang_patches.cpu.launch"]
     assert RuntimeConfig(model_path=tmp_path, device="cuda").resolved().command()[1:3] == ["-m", "sglang.launch_server"]
-    probe = ("import multiprocessing as mp; from sglang_patches import cpu_launch; cpu_launch.use_forked_workers(); "
+    probe = ("import multiprocessing as mp; from sglang_patches.cpu import launch as cpu_launch; cpu_launch.use_forked_workers(); "
              "mp.set_start_method('spawn', force=True); print(mp.get_start_method())")
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "fork"
 
 
 def test_signatures_of_the_forward_hooks():
-    from sglang_patches import batch_annotations, cacheblend
+    from sglang_patches.steps import batch_annotations, cacheblend
 
     init_new = resolve(batch_annotations.INIT_HOOK_TARGET)
     assert list(inspect.signature(init_new).parameters)[:2] == ["batch", "model_runner"]
@@ -220,7 +224,7 @@ def test_cacheblend_is_allowed_exactly_where_its_layer_hook_reaches():
     cacheblend.LAYER_HOOK_TARGETS (which layers shrink the batch) must name the same models: a
     model outside the hook would answer cacheblend requests as full, silently."""
     from picrag_core.model_support import BLEND_ARCHITECTURES, TESTED_ARCHITECTURES
-    from sglang_patches import cacheblend
+    from sglang_patches.steps import cacheblend
 
     for architecture in sorted(TESTED_ARCHITECTURES):
         hooked = _decoder_layer_forward(architecture) in cacheblend.LAYER_HOOK_TARGETS

@@ -1,4 +1,4 @@
-"""The tree-key rule (sglang_patches.tree_keys): two linked prompts share a cached slot only if
+"""The tree-key rule (sglang_patches.plan.keys): two linked prompts share a cached slot only if
 their policy computes the same value for it in both.
 
 The property test states what a slot's value depends on, from the policies' definitions and
@@ -18,10 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from picrag_core.link_hints import LinkRequest, runtime_request
-from sglang_patches.link_plan import LinkPlan, build_plan
+from sglang_patches.plan.link_plan import LinkPlan, build_plan
 from picrag_core.reordered_layout import merge_runs
-from sglang_patches.tree_keys import SEGMENT_START, store_key
-from sglang_patches.request_guard import RequestShape, admitted_link
+from sglang_patches.plan.keys import SEGMENT_START, store_key
+from sglang_patches.guard.request_guard import RequestShape, admitted_link
 from tests.engine_routing import BOS
 from tests.test_cache_integrity import ENGINE
 

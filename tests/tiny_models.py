@@ -54,7 +54,7 @@ FAMILIES = {
 }
 
 
-# Not served on CPU (picrag_core.model_support, sglang_patches.attention_backends): `picrag
+# Not served on CPU (picrag_core.model_support, picrag_core.attention_backends): `picrag
 # serve` must refuse it at start with the reason.
 REFUSED_ON_CPU = {
     "qwen3-moe": Family("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,

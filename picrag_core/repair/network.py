@@ -171,7 +171,7 @@ class KVRepairer:
         Served in float32 on every device: the tree shares repaired KV between requests whose
         network passes held other chunks besides, and bfloat16's rounding depends on them (it
         moved a victim's first-token log-probabilities by 8e-4 where float32 moves them by about
-        1e-5: sglang_patches.tree_keys)."""
+        1e-5: sglang_patches.plan.keys)."""
         device = self.device
         return self.network(stale_k.to(device, torch.float32), stale_v.to(device, torch.float32),
                             token_ids.to(device), chunk_ids.to(device), scales=self.stats)
@@ -179,7 +179,7 @@ class KVRepairer:
 
 def _digest(network: RepairNetwork, stats: KVStats) -> str:
     """SHA-256 of what the repairer computes with (its weights and statistics): repaired KV is
-    filed under it (sglang_patches.tree_keys), so two checkpoints never share repaired KV."""
+    filed under it (sglang_patches.plan.keys), so two checkpoints never share repaired KV."""
     digest = hashlib.sha256()
     tensors = {**network.state_dict(), **stats.tensors()}
     for name in sorted(tensors):

@@ -1,7 +1,7 @@
 """Fields of a client's SGLang-style body (`/generate`, `/v1/chat/completions`) that the frontend
 refuses with a 400 naming them, before anything reaches the runtime.
 
-The engine holds the same line on its own (sglang_patches.request_guard): these checks give a
+The engine holds the same line on its own (sglang_patches.guard.request_guard): these checks give a
 client the reason up front, and keep a linked prompt's chunks from being compiled at all.
 """
 
@@ -10,8 +10,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from picrag_core.link_hints import ORIGINAL_LAYOUT, LinkHintError, LinkRequest
-from sglang_patches.request_guard import vocabulary_error
-from sglang_patches.tree_keys import NAMESPACE_PREFIX
+from picrag_core.request_bounds import NAMESPACE_PREFIX, vocabulary_error
 
 
 def _prompts(input_ids: Any) -> list[list[Any]]:

@@ -6,7 +6,7 @@ or one the model does not list, is a 400 that names it. `picrag serve --pass-unl
 lets a trusted deployment send unlisted fields through (the listed ones keep their bounds). The
 body is then forwarded as the client sent it, byte for byte.
 
-The bounds that keep the scheduler alive are the engine's own (sglang_patches.sampling_guard),
+The bounds that keep the scheduler alive are the engine's own (picrag_core.request_bounds),
 read here so that both sides hold the same numbers; the RAG routes build their runtime bodies
 from their own typed requests (rag_api.RagQuery, openai_chat.RagChatRequest), whose stop strings
 take the bounds from here.
@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, Optional, TypeVar, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from rag_server.api.message_limits import MAX_MESSAGES
-from sglang_patches.sampling_guard import (MAX_BATCH_PROMPTS, MAX_GRAMMAR_CHARS, MAX_N, MAX_STOP_CHARS,
+from picrag_core.request_bounds import (MAX_BATCH_PROMPTS, MAX_GRAMMAR_CHARS, MAX_N, MAX_STOP_CHARS,
                                            MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS,
                                            STOP_REGEX_REFUSAL, logprob_start_error)
 
@@ -69,11 +69,10 @@ def _no_stop_regex(value: Any) -> Any:
     return value
 
 
-class SamplingParams(Forwarded):
-    """SGLang's `sampling_params` (/generate): every field the DSL and SGLang's clients send."""
+class SamplingKnobs(Forwarded):
+    """The sampling fields SGLang's `sampling_params` and the OpenAI routes share, with their
+    ranges written once."""
 
-    max_new_tokens: Optional[NewTokens] = None
-    min_new_tokens: Optional[NewTokens] = None
     temperature: Optional[float] = Field(None, ge=0, allow_inf_nan=False)
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=-1)
@@ -81,6 +80,13 @@ class SamplingParams(Forwarded):
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     repetition_penalty: Optional[float] = Field(None, gt=0, le=2)
+
+
+class SamplingParams(SamplingKnobs):
+    """SGLang's `sampling_params` (/generate): every field the DSL and SGLang's clients send."""
+
+    max_new_tokens: Optional[NewTokens] = None
+    min_new_tokens: Optional[NewTokens] = None
     stop: Optional[Stop] = None
     stop_token_ids: Optional[StopTokenIds] = None
     stop_regex: Optional[Union[str, list[str]]] = None
@@ -143,17 +149,10 @@ class StreamOptions(Forwarded):
     continuous_usage_stats: Optional[bool] = None
 
 
-class OpenAISampling(Forwarded):
+class OpenAISampling(SamplingKnobs):
     """The fields /v1/completions and /v1/chat/completions share."""
 
     model: Optional[str] = None
-    temperature: Optional[float] = Field(None, ge=0, allow_inf_nan=False)
-    top_p: Optional[float] = Field(None, gt=0, le=1)
-    top_k: Optional[int] = Field(None, ge=-1)
-    min_p: Optional[float] = Field(None, ge=0, le=1)
-    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    repetition_penalty: Optional[float] = Field(None, gt=0, le=2)
     n: Optional[Sequences] = None
     stop: Optional[Stop] = None
     stop_token_ids: Optional[StopTokenIds] = None

@@ -5,7 +5,7 @@ Every body is first parsed by its typed allowlist (rag_server/api/forwarded_bodi
 counted against --max-inflight by the sequences it asks for. A body with a `picrag.link` hint,
 or a text with chunk markers (which becomes one, rag_server/api/chunk_markers.py), is checked
 here, once: a well-formed link over a flat `input_ids` prompt in its original order, at most
-sampling_guard.MAX_CHUNK_SPANS chunks, a policy this server runs, a prompt the runtime would
+picrag_core.request_bounds.MAX_CHUNK_SPANS chunks, a policy this server runs, a prompt the runtime would
 accept (rag_server/api/client_fields.py refuses token ids outside the vocabulary and picrag's
 own cache namespaces in any body, and the link fields only picrag sets). It then takes
 the link pipeline (rag_server/linking/pipeline.py), and the runtime's answer is relayed as SGLang
@@ -36,7 +36,7 @@ from rag_server.linking.pipeline import GenerationError
 from rag_server.service.prompt_discovery import CONTROL_FIELD, DiscoveredPrompt, DiscoveryControl
 from rag_server.service.shadow import ShadowSampler
 from picrag_core.link_hints import LinkHintError, LinkRequest, parse_link_request
-from sglang_patches.sampling_guard import chunk_count_error
+from picrag_core.request_bounds import chunk_count_error
 
 logger = logging.getLogger(__name__)
 

@@ -180,7 +180,7 @@ def measure(client: httpx.Client, prompt: CompiledPrompt, policy: str | None, ma
             first_token_distribution: bool = False) -> Measured:
     """`prompt` linked under `policy`, or sent as a plain prompt (None: stock SGLang's request).
     `first_token_distribution` asks the engine for the first answer token's log-probabilities over
-    the whole vocabulary (sglang_patches.first_token_report; linked requests only)."""
+    the whole vocabulary (sglang_patches.steps.first_token_report; linked requests only)."""
     body: dict[str, Any] = {
         "input_ids": prompt.input_ids,
         "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens},

@@ -9,7 +9,7 @@ an exact repeat. `prefix` reuses whatever its own radix tree holds (the head, fr
 question, and any common passage prefix).
 
 First-token KL to `full`: exact, over the whole vocabulary. Every request asks the engine for its
-first answer token's log-probabilities (sglang_patches.first_token_report), and the KL is
+first answer token's log-probabilities (sglang_patches.steps.first_token_report), and the KL is
 computed from the two distributions.
 """
 

@@ -40,6 +40,7 @@ import httpx
 
 from rag_server.bench.transparency_requests import (AUTO, ENGINE, GENERATE, VANILLA, Generator, GeneratorSettings,
                                                     Request)
+from rag_server.bench.transparency_cases import likely_case
 from rag_server.bench.transparency_wire import Difference, Observation, Wire, compare
 from picrag_core.policies import parse_policy
 
@@ -86,11 +87,10 @@ class Violation:
         return self.check, self.victim.route, family_of(self.victim.policy), self.difference.kind
 
     def as_json(self) -> dict[str, Any]:
-        from rag_server.bench.transparency_cases import likely_case
-
         return {
             "check": self.check, "kind": self.difference.kind, "max_abs": self.difference.max_abs,
-            "detail": self.difference.detail, "likely_case": likely_case(self), "episode": self.episode,
+            "detail": self.difference.detail, "episode": self.episode,
+            "likely_case": likely_case(self.check, self.victim, self.preceding, self.minimal),
             "victim": self.victim.describe(), "reference_reuse": self.reference_reuse,
             "observed_reuse": self.observed_reuse,
             "minimal_attackers": None if self.minimal is None else [r.describe() for r in self.minimal],

@@ -15,14 +15,11 @@ found which case; a violation that matches none is reported as "other" (a new wa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from rag_server.bench.transparency_requests import AUTO, GENERATE, VANILLA, Request
 from picrag_core.link_hints import LinkRequest
 from picrag_core.policies import parse_policy
-
-if TYPE_CHECKING:
-    from rag_server.bench.transparency import Violation
 
 LEGOLINK_REST = "1-legolink-rest"
 REPAIR_CONTEXT = "2-repair-context"
@@ -47,15 +44,17 @@ def _same_start(victim: Request, attackers: list[Request]) -> bool:
     return any(theirs != chunk and theirs[:2] == chunk[:2] for chunk in mine for theirs in _chunks(attackers))
 
 
-def likely_case(violation: Violation) -> Optional[str]:
-    victim = violation.victim
+def likely_case(check: str, victim: Request, preceding: list[Request],
+                minimal: Optional[list[Request]]) -> Optional[str]:
+    """The known case a violation of `check` on `victim` after `preceding` (shrunk to `minimal`,
+    None if not shrunk) looks like."""
     # A batch through the frontend is forwarded as it is: unchecked, and its chunks not compiled.
     if victim.client_layout or (victim.batch and victim.route == GENERATE):
         return BATCH_HINTS
-    attackers = violation.minimal if violation.minimal is not None else violation.preceding
-    if violation.check == "form":
+    attackers = minimal if minimal is not None else preceding
+    if check == "form":
         # On the runtime, a batch's prompts are each other's attackers.
-        victim, attackers = violation.preceding[0], victim.singles()
+        victim, attackers = preceding[0], victim.singles()
     if any(a.client_layout and a.batch for a in attackers):
         return BATCH_HINTS
     same_policy = [a for a in attackers if a.policy == victim.policy]

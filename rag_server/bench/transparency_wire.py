@@ -162,9 +162,15 @@ class Wire:
         control = {"discover": False} if request.policy == VANILLA else {"discover": True, "policy": request.policy}
         sampling = {"max_tokens": request.max_new_tokens, "temperature": 0, "picrag": control}
         if request.route == PLAIN_CHAT:
-            system = [{"role": "system", "content": head}] if head else []
+            if len(request.prompts[0].question) % 2:
+                # LMCache's blend shape: the documents last in the user message, so the link's
+                # last passage is stored with the separator of the one before it (its tail).
+                system, user = "\n\n".join(filter(None, (head, question))), passages
+            else:
+                system, user = head, f"{passages}\n\n{question}"
+            messages = [{"role": "system", "content": system}] if system else []
             response = self.frontend.post("/v1/chat/completions", json={
-                "messages": [*system, {"role": "user", "content": f"{passages}\n\n{question}"}], **sampling})
+                "messages": [*messages, {"role": "user", "content": user}], **sampling})
             return _openai_observed(response, lambda choice: choice["message"]["content"])
         text = f"{head}\n\n{passages}\n\n{question}\nAnswer:" if head else f"{passages}\n\n{question}\nAnswer:"
         if request.route == PLAIN_COMPLETION:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from picrag_core.model_support import TESTED_ARCHITECTURES, ModelTraits, model_refusals
-from sglang_patches.attention_backends import model_backend_refusal
+from picrag_core.attention_backends import model_backend_refusal
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 from rag_server.launch.ports import free_port
 from rag_server.launch.process_group import died_during_start, start_in_own_group, stop_process_group
-from sglang_patches.chunk_store_spec import MooncakeSpec
+from picrag_core.chunk_store_spec import MooncakeSpec
 
 logger = logging.getLogger(__name__)
 

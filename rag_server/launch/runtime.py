@@ -22,8 +22,8 @@ import psutil
 
 from rag_server.launch.ports import free_port
 from rag_server.launch.process_group import died_during_start, start_in_own_group, stop_process_group
-from sglang_patches.attention_backends import FLASHINFER_BACKEND, NATIVE_BACKEND
-from sglang_patches.chunk_store_spec import HOST_BYTES_ENV, MAX_BYTES_ENV, TIMEOUT_ENV, ChunkStoreSpec, store_env
+from picrag_core.attention_backends import FLASHINFER_BACKEND, NATIVE_BACKEND
+from picrag_core.chunk_store_spec import HOST_BYTES_ENV, MAX_BYTES_ENV, TIMEOUT_ENV, ChunkStoreSpec, store_env
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +56,9 @@ CPU_ATTENTION_BACKEND = NATIVE_BACKEND
 CUDA_ATTENTION_BACKEND = FLASHINFER_BACKEND
 NO_PLUGIN = "-"
 # How a runtime's server process is started: SGLang's own entry point, or on CPU the same with
-# its workers forked rather than spawned (sglang_patches.cpu_launch: about 12 s less per start).
+# its workers forked rather than spawned (sglang_patches.cpu.launch: about 12 s less per start).
 LAUNCH_MODULE = "sglang.launch_server"
-CPU_LAUNCH_MODULE = "sglang_patches.cpu_launch"
+CPU_LAUNCH_MODULE = "sglang_patches.cpu.launch"
 
 
 @dataclass
@@ -164,7 +164,7 @@ class RuntimeConfig:
                 if value is not None:
                     env[name] = str(value)
         if self.repair_checkpoint is not None:
-            # Read by sglang_patches.repair.kv_repair (REPAIR_CHECKPOINT_ENV) when the chunk cache starts.
+            # Read by sglang_patches.steps.kv_repair (REPAIR_CHECKPOINT_ENV) when the chunk cache starts.
             env["PICRAG_REPAIR_CHECKPOINT"] = str(self.repair_checkpoint)
         return env
 

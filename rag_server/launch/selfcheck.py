@@ -37,7 +37,7 @@ from rag_server.linking.reuse_gate import FAILED, PASSED, SKIPPED, Check, SelfCh
 from retrieval.prompt_layout import PromptLayout, PromptPassage
 from picrag_core.engine_report import EngineReport
 from picrag_core.link_hints import LinkRequest
-from sglang_patches.selfcheck import SERVER_INFO_KEY
+from picrag_core.engine_report import SERVER_INFO_KEY
 
 logger = logging.getLogger(__name__)
 

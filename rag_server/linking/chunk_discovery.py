@@ -44,7 +44,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from sglang_patches.sampling_guard import MAX_CHUNK_SPANS
+from picrag_core.request_bounds import MAX_CHUNK_SPANS
 
 # A line that opens a document in the formats common RAG frameworks and prompts emit.
 DOCUMENT_OPENER = re.compile(r"(?:\[\d{1,4}\]|(?:Document|Doc|Source|Passage|Context)\b|<doc|<document|---)",

@@ -11,7 +11,7 @@ Relinking: compile and link are two requests, so under memory pressure a chunk c
 prompt can be evicted before the link arrives (and a compile skipped because the frontend
 compiled the chunk earlier finds it gone). Every attempt but the last asks the engine to refuse
 the link when a chunk is missing as it arrives (`on_miss: refuse`): the engine answers at once,
-computing nothing (sglang_patches.link_admission), and leases the chunks of a link it queues, so
+computing nothing (sglang_patches.tree.link_admission), and leases the chunks of a link it queues, so
 they stay until it is served. The chunks are then compiled again and the link is sent again, at
 most MAX_RELINKS times. The last attempt is answered as it is: a chunk still missing is computed
 as ordinary tokens (correct attention, but not the policy asked for), which its first response

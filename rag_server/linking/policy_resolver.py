@@ -11,7 +11,7 @@ What it knows:
 - **availability** per family: the served model must allow it (picrag_core.model_support: no
   chunk reuse on sliding-window layers, latent attention or position-dependent RoPE, CacheBlend
   only where its layer hook reaches); families that compute tokens inside the prompt need one of picrag's
-  attention backends (sglang_patches.attention_backends), families that repair need a CacheRepair
+  attention backends (picrag_core.attention_backends), families that repair need a CacheRepair
   checkpoint for the served model (rag_server/launch/repair_checkpoint.py);
 - the **fallback** after a failed start-up self-check (rag_server/linking/reuse_gate.py):
   chunk-reusing families are served as `--on-selfcheck-failure` says, or refused; a refused
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from rag_server.linking.reuse_gate import REFUSE, ReuseGate
-from sglang_patches.attention_backends import backend_refusal
+from picrag_core.attention_backends import backend_refusal
 from picrag_core.link_hints import LinkRequest
 from picrag_core.model_support import ModelTraits, policy_refusal
 from picrag_core.policies import POLICY_FAMILIES, Policy, PolicyError, PolicyFamily, parse_policy

@@ -4,7 +4,7 @@ A `select:R[,K]` link (and `cacherepair+select`) recomputes, besides the first K
 every chunk, the fraction R of all chunk tokens that the question attends to most over the
 base policy's linked KV (naive's, or cacherepair's repaired KV). The pipeline measures that
 attention with one prefill-only link of the base policy that asks for it
-(sglang_patches.context_attention: summed over layers, heads and question tokens), then sends
+(sglang_patches.steps.context_attention: summed over layers, heads and question tokens), then sends
 the link with the chosen positions (`LinkRequest.recompute`), so the engine recomputes them at
 their true positions in the same extend as the question. R = 1 recomputes every chunk token
 (full prefill); R = 0 is the base policy with LegoLink's first K.

@@ -4,7 +4,7 @@ one token, in the background, to measure the policy's first-token quality on liv
 After the user's answer has ended, a fraction `rate` of the RAG requests whose policy reuses chunks
 (`/rag/query` and the chat extension: prompts picrag built itself) gets a shadow pair: `full` for one greedy token, then
 the user's own link (same prompt, same policy) for one token, each with its first token's
-log-probabilities over the whole vocabulary (sglang_patches.first_token_report). Their exact
+log-probabilities over the whole vocabulary (sglang_patches.steps.first_token_report). Their exact
 first-token KL and agreement go to the QualityRecord (rag_server/service/first_token_quality.py).
 Nothing of this touches the user's request: the shadow starts once the answer is complete, runs
 as its own requests, and its failures are only counted.
