@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from picrag_core.link_hints import link_hints, parse_link_request
 from tests.inprocess_frontend import serving
 
 CONTEXT_LENGTH = 2048
@@ -61,6 +62,32 @@ async def trickle(_request: Request) -> Response:
             await asyncio.sleep(0.1)
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+DOCUMENTS = [{"title": "Eiffel Tower", "text": "The Eiffel Tower is a wrought-iron lattice tower in Paris."}]
+
+
+def recording(policies: list[str]):
+    """A /generate handler that notes each request's policy (vanilla: none) and answers "Paris"."""
+    async def generate(request):
+        body = await request.json()
+        link = parse_link_request(body.get("kv_hints"))
+        policies.append("vanilla" if link is None else "compile" if link.compile else link.policy)
+        meta = {"prompt_tokens": 9, "completion_tokens": 1, "finish_reason": {"type": "stop"}}
+        if not body.get("stream"):
+            return JSONResponse({"text": "Paris", "output_ids": [7], "meta_info": meta})
+
+        async def events():
+            yield event({"text": "Paris", "meta_info": meta})
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return generate
+
+
+def link_hints_naive() -> dict:
+    return link_hints("naive", [(0, 3)])
 
 
 class FakeRuntime:

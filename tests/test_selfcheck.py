@@ -20,7 +20,7 @@ from rag_server.launch.selfcheck import NEW_TOKENS, TOLERANCES, difference, self
 from rag_server.linking.policy_resolver import NamedPolicy, PolicyResolver
 from rag_server.linking.reuse_gate import FAILED, PASSED, SKIPPED, Check, ReuseGate, SelfCheckReport
 from picrag_core.link_hints import LinkRequest, parse_link_request
-from picrag_core.policies import PolicyError, parse_policy
+from picrag_core.policies import PolicyError
 from picrag_core.rope_shift import KeyShifter
 from sglang_patches.selfcheck import SERVER_INFO_KEY, check_rope_shift, rope_shifter
 
@@ -241,11 +241,15 @@ def test_a_failed_check_serves_reuse_as_the_chosen_fallback():
     for action in ("prefix", "full"):
         gate = ReuseGate(FAILED_REPORT, action)
         resolver = PolicyResolver.start("legolink", gate=gate)
-        assert resolver.served(NamedPolicy.parse("legolink:4")).policy.name == action
-        assert resolver.served(NamedPolicy.parse("naive")).policy.name == action
-        assert resolver.served(NamedPolicy.parse("full")).policy.name == "full"  # reuses nothing: as asked
-        link = resolver.link(LinkRequest.of("legolink:4", [(3, 9)]))
+        served = resolver.resolve(NamedPolicy.parse("legolink:4"))
+        assert served.policy.name == action and "served as" in served.warning
+        assert resolver.resolve(NamedPolicy.parse("naive")).policy.name == action
+        as_asked = resolver.resolve(NamedPolicy.parse("full"))  # reuses nothing: as asked
+        assert as_asked.policy.name == "full" and as_asked.warning is None
+        link = served.link(LinkRequest.of("legolink:4", [(3, 9)]))
         assert (link.policy, link.chunks, link.k) == (action, ((3, 9),), 0)
+        full = LinkRequest.of("full", [(3, 9)])
+        assert as_asked.link(full) is full
         assert resolver.unavailable == {} and resolver.default.name == "legolink"
         assert gate.as_json()["reuse"] == f"served as {action}"
     assert ReuseGate(FAILED_REPORT).on_failure == "prefix"
@@ -259,8 +263,7 @@ def test_refuse_makes_every_reusing_family_unavailable_with_the_reason():
                                 "select", "cacherepair+select"}
     assert unavailable["naive"] == "the start-up self-check failed (rope_shift: keys differ)"
     with pytest.raises(PolicyError, match="'naive' is unavailable on this server: the start-up self-check failed"):
-        resolver.check(parse_policy("naive").family)
-    assert resolver.served(NamedPolicy.parse("naive")).policy.name == "naive"  # refused upstream, never rewritten
+        resolver.resolve(NamedPolicy.parse("naive"))  # refused, never rewritten
     assert resolver.default.name == "prefix" and PolicyResolver.start("full", gate=gate).default.name == "full"
     assert gate.as_json() == {"status": FAILED, "reuse": "refused", "seconds": 0.1,
                               "checks": [{"name": "rope_shift", "status": FAILED, "detail": "keys differ"}]}
@@ -271,7 +274,8 @@ def test_a_passed_or_skipped_check_changes_nothing():
     for gate in (ReuseGate(passed, "refuse"), ReuseGate(passed, "full"), ReuseGate()):
         link = LinkRequest.of("legolink:4", [(3, 9)])
         resolver = PolicyResolver.start(gate=gate)
-        assert gate.refusal is None and resolver.unavailable == {} and resolver.link(link) is link
+        assert gate.refusal is None and resolver.unavailable == {}
+        assert resolver.resolve(NamedPolicy.parse("legolink:4")).link(link) is link
     assert ReuseGate().as_json() == {"status": "not run", "reuse": "as asked, unchecked"}
     with pytest.raises(ValueError, match="on_failure"):
         ReuseGate(FAILED_REPORT, "naive")
@@ -279,40 +283,8 @@ def test_a_passed_or_skipped_check_changes_nothing():
 
 # ---- a frontend after a failed check, in front of a fake runtime -------------------------------
 
-DOCUMENTS = [{"title": "Eiffel Tower", "text": "The Eiffel Tower is a wrought-iron lattice tower in Paris."}]
-
-
-def recording(policies: list[str]):
-    """A /generate handler that notes each request's policy (vanilla: none) and answers "Paris"."""
-    from starlette.responses import JSONResponse, StreamingResponse
-
-    from tests.fake_runtime import event
-
-    async def generate(request):
-        body = await request.json()
-        link = parse_link_request(body.get("kv_hints"))
-        policies.append("vanilla" if link is None else "compile" if link.compile else link.policy)
-        meta = {"prompt_tokens": 9, "completion_tokens": 1, "finish_reason": {"type": "stop"}}
-        if not body.get("stream"):
-            return JSONResponse({"text": "Paris", "output_ids": [7], "meta_info": meta})
-
-        async def events():
-            yield event({"text": "Paris", "meta_info": meta})
-            yield b"data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    return generate
-
-
-def link_hints_naive() -> dict:
-    from picrag_core.link_hints import link_hints
-
-    return link_hints("naive", [(0, 3)])
-
-
 def test_a_failed_check_serves_reuse_as_prefix_and_health_says_why(default_model_dir):
-    from tests.fake_runtime import fake_runtime
+    from tests.fake_runtime import DOCUMENTS, fake_runtime, link_hints_naive, recording
     from tests.inprocess_frontend import frontend
 
     policies: list[str] = []
@@ -333,7 +305,7 @@ def test_a_failed_check_serves_reuse_as_prefix_and_health_says_why(default_model
 
 
 def test_refuse_answers_400_with_the_reason_and_serves_the_default_as_prefix(default_model_dir):
-    from tests.fake_runtime import fake_runtime
+    from tests.fake_runtime import DOCUMENTS, fake_runtime, link_hints_naive, recording
     from tests.inprocess_frontend import frontend
 
     policies: list[str] = []

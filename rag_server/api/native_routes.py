@@ -33,7 +33,9 @@ from rag_server.api.forwarded_bodies import GenerateBody, parse_forwarded
 from rag_server.api.proxy import forward, forwarded_headers, json_object, loads_bounded, relay
 from rag_server.api.state import Frontend, frontend
 from rag_server.linking.pipeline import GenerationError
+from rag_server.linking.policy_resolver import NamedPolicy, Served
 from rag_server.service.prompt_discovery import CONTROL_FIELD, DiscoveredPrompt, DiscoveryControl
+from rag_server.service.rag_service import RagRequestError
 from rag_server.service.shadow import ShadowSampler
 from picrag_core.link_hints import LinkHintError, LinkRequest, parse_link_request
 from picrag_core.request_bounds import chunk_count_error
@@ -70,11 +72,15 @@ async def generate(request: Request) -> Response:
         marked = await asyncio.to_thread(link_marked_payload, payload, state.rag.layout.encode,
                                          state.special_prefix, state.rag.policies.default.policy)
         if marked is None:
-            found = await asyncio.to_thread(_discovered, state, payload, control)
+            try:
+                found = await asyncio.to_thread(_discovered, state, payload, control)
+            except RagRequestError as exc:
+                return _error(400, str(exc), "invalid_request")
             if found is None:
                 return await forward(request, body)
-            link = LinkRequest.of(found.policy.policy, found.found.chunks, tail=found.found.tail)
-            response = await _linked(request, {**_without_prompt(payload), "input_ids": found.input_ids}, link, state)
+            link = LinkRequest.of(found.served.policy.policy, found.found.chunks, tail=found.found.tail)
+            response = await _linked(request, {**_without_prompt(payload), "input_ids": found.input_ids}, link, state,
+                                     found.served)
             response.headers.update(header_of(found))
             return response
         payload, body = marked, json.dumps(marked).encode()
@@ -121,14 +127,17 @@ def body_link(kv_hints: Any) -> Optional[LinkRequest]:
     return links[0] if compiles else None
 
 
-async def _linked(request: Request, payload: dict[str, Any], link: LinkRequest, state: Frontend) -> Response:
+async def _linked(request: Request, payload: dict[str, Any], link: LinkRequest, state: Frontend,
+                  served: Optional[Served] = None) -> Response:
+    """`link` sent; `served`: its policy resolved (a discovered prompt's), else resolved here."""
     input_ids = payload.get("input_ids")
     try:
         if not (isinstance(input_ids, list) and all(isinstance(t, int) for t in input_ids)):
             raise LinkHintError("picrag.link chunk spans index input_ids: send one prompt as a flat input_ids list")
         link = state.pipeline.with_sink(client_link(link, state.pipeline.sink_token, len(state.rag.tokenizer)))
         link.validate(len(input_ids))
-        state.rag.policies.check(link.family)
+        served = served or state.rag.policies.resolve(NamedPolicy.parse(link.policy_name))
+        link = served.link(link)
     except LinkHintError as exc:
         return _error(400, str(exc), "invalid_kv_hints")
     too_many = chunk_count_error(len(link.chunks))  # each one a compile, before the engine sees the link

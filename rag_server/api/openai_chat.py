@@ -165,7 +165,10 @@ async def chat_completions(request: Request) -> Response:
     refused = refused or await _checked(request, ChatBody, plain, plain)
     if refused:
         return refused if isinstance(refused, Response) else openai_error(400, refused)
-    found = await asyncio.to_thread(state.discovery.chat, plain, control)
+    try:
+        found = await asyncio.to_thread(state.discovery.chat, plain, control)
+    except RagRequestError as exc:
+        return openai_error(400, str(exc))
     if found is None:
         return await forward(request, body if CONTROL_FIELD not in payload else _json(plain))
     return await _discovered_chat(state, plain, found)
@@ -189,7 +192,10 @@ async def completions(request: Request) -> Response:
     state = frontend(request)
     found = None
     if state.discovery.completion_fields(plain):
-        found = await asyncio.to_thread(state.discovery.text, plain["prompt"], control)
+        try:
+            found = await asyncio.to_thread(state.discovery.text, plain["prompt"], control)
+        except RagRequestError as exc:
+            return openai_error(400, str(exc))
     if found is None:
         return await forward(request, body if CONTROL_FIELD not in payload else _json(plain))
     return await _discovered_completion(state, plain, found)

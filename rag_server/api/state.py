@@ -55,8 +55,7 @@ class Frontend:
             model_dir = Path(settings.model_path or info["model_path"])
             tokenizer = await asyncio.to_thread(_load_tokenizer, Path(info.get("tokenizer_path") or model_dir))
             retriever = await asyncio.to_thread(_open_index, settings.index_dir) if settings.index_dir else None
-            pipeline = LinkPipeline(client, ChunkCompiler(client), sink_token=tokenizer.bos_token_id,
-                                    policies=settings.policies)
+            pipeline = LinkPipeline(client, ChunkCompiler(client), sink_token=tokenizer.bos_token_id)
             server_info = (await client.get("/get_server_info")).json()
             rag = RagService(
                 tokenizer,

@@ -33,7 +33,6 @@ import httpx
 
 from rag_server.linking import sse
 from rag_server.linking.chunk_compiler import ROUTING_KEY_HEADER, ChunkCompiler, CompileError, Pieces
-from rag_server.linking.policy_resolver import PolicyResolver
 from rag_server.linking.selection import selected_runs
 from picrag_core.engine_report import EngineReport
 from picrag_core.link_hints import MISS_REFUSAL, MISS_REFUSAL_STATUS, LinkRequest, runtime_request
@@ -167,14 +166,13 @@ class Linked:
 
 
 class LinkPipeline:
-    def __init__(self, client: httpx.AsyncClient, compiler: ChunkCompiler, sink_token: Optional[int] = None,
-                 policies: Optional[PolicyResolver] = None):
+    """Sends links as they are given: the policy a link names is the one it is served with,
+    resolved once per request before it gets here (rag_server/linking/policy_resolver.py)."""
+
+    def __init__(self, client: httpx.AsyncClient, compiler: ChunkCompiler, sink_token: Optional[int] = None):
         self.client = client
         self.compiler = compiler
         self.sink_token = sink_token  # the model's BOS: the sink that policies with sink tokens compile
-        # What a link is sent as (a failed start-up self-check turns reuse away); None: as asked
-        # (the self-check's own links).
-        self.policies = policies
         self.relinks = 0  # links sent again because a chunk was missing (picrag_frontend_relinks)
 
     def with_sink(self, link: LinkRequest) -> LinkRequest:
@@ -195,8 +193,6 @@ class LinkPipeline:
         """Send `fields` (a /generate body without its prompt) with `input_ids` linked as
         `link` says, its chunks compiled first; relinked when chunks are missing at link time.
         `headers` and `params` go with every link request."""
-        if self.policies is not None:
-            link = self.policies.link(link)
         pieces = Pieces.of(input_ids, link)  # hashed once for every compile, relink and probe below
         if link.family.scored_as and link.chunks and link.ratio > 0 and not link.recompute:
             link = await self._select(input_ids, link, pieces, headers, params)

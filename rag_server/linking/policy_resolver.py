@@ -97,8 +97,16 @@ def engine_refusals(attention_backend: Optional[str], repair_unavailable: Option
 
 @dataclass(frozen=True)
 class Served:
+    """The policy resolver's one answer for a request."""
+
     policy: NamedPolicy  # what the request is served with
-    warning: Optional[str] = None  # why it is not what the request asked for
+    warning: Optional[str] = None  # set exactly where another policy than the one asked for serves it: why
+    reason: Optional[str] = None  # set where `auto` chose the policy asked for: why it did
+
+    def link(self, link: LinkRequest) -> LinkRequest:
+        """`link` (a client's, or one built for the asked policy) as it is sent: as it is, or
+        under the policy served instead."""
+        return link if self.warning is None else link.like(self.policy.policy)
 
 
 @dataclass(frozen=True)
@@ -150,28 +158,19 @@ class PolicyResolver:
         """Policy family -> why this server refuses it."""
         return {**self.refusals, **self._gate_refusals()}
 
-    def check(self, family: PolicyFamily) -> None:
-        """Raises PolicyUnavailable for a family this server does not serve."""
+    def resolve(self, named: NamedPolicy) -> Served:
+        """What a request asking for `named` (`auto` already chosen) is served with: decided once
+        per request, at the edge, and carried from there (the plan, the link it is sent as).
+        Raises PolicyUnavailable for a family this server does not serve."""
         unavailable = self.unavailable
-        if family.name in unavailable:
-            raise PolicyUnavailable(f"policy {family.name!r} is unavailable on this server: {unavailable[family.name]}")
-
-    def _serves_instead(self, family: PolicyFamily) -> Optional[Policy]:
-        if family.reuses_chunks and self.gate.refusal is not None and self.gate.on_failure != REFUSE:
-            return parse_policy(self.gate.on_failure)
-        return None
-
-    def served(self, named: NamedPolicy) -> Served:
-        """What a request asking for `named` (an available policy, `auto` already chosen) is served with."""
-        instead = self._serves_instead(named.family)
-        if instead is None:
+        if named.family.name in unavailable:
+            raise PolicyUnavailable(f"policy {named.family.name!r} is unavailable on this server: "
+                                    f"{unavailable[named.family.name]}")
+        family = named.family
+        if not (family.reuses_chunks and self.gate.refusal is not None and self.gate.on_failure != REFUSE):
             return Served(named)
+        instead = parse_policy(self.gate.on_failure)
         return Served(NamedPolicy.of(instead), f"policy {named.name} served as {instead.name}: {self.gate.refusal}")
-
-    def link(self, link: LinkRequest) -> LinkRequest:
-        """The link a prompt linked as `link` is sent to the runtime as."""
-        instead = self._serves_instead(link.family)
-        return link if instead is None else link.like(instead)
 
     @property
     def auto_excluded(self) -> dict[str, str]:

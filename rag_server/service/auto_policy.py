@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 CALIBRATION_DIR = Path(__file__).resolve().parents[1] / "calibration"
 DEFAULT_MIN_SAMPLES = 20
+FALLBACK_POLICY = parse_policy(FALLBACK)
 
 
 class CalibrationError(ValueError):
@@ -46,17 +47,21 @@ class CalibrationTable:
     bounds: tuple[int, ...] = BUCKET_BOUNDS
     repair_checkpoint: Optional[str] = None  # the checkpoint folder name the repairing rows used
     source: str = ""  # how the numbers were measured
+    # Every row's policy, parsed once when the table is read: `auto` consults it on every request.
+    policies: Mapping[str, Policy] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         labels = set(bucket_labels(self.bounds))
         for name in self.cost_order:
             if name not in self.kl:
                 raise CalibrationError(f"policy {name} is in cost_order but has no KL row")
+        policies = {name: parse_policy(name) for name in self.kl}
         for name, row in self.kl.items():
-            if parse_policy(name).name != name:
-                raise CalibrationError(f"policy {name!r} is not written canonically ({parse_policy(name).name})")
+            if policies[name].name != name:
+                raise CalibrationError(f"policy {name!r} is not written canonically ({policies[name].name})")
             if set(row) - labels:
                 raise CalibrationError(f"policy {name}: unknown buckets {sorted(set(row) - labels)}")
+        object.__setattr__(self, "policies", policies)
 
     @classmethod
     def read(cls, path: Path) -> CalibrationTable:
@@ -75,7 +80,7 @@ class CalibrationTable:
 
     def without_repair(self) -> CalibrationTable:
         """The table less its repairing policies (their KL belongs to another checkpoint)."""
-        keep = [name for name in self.cost_order if not parse_policy(name).family.repairs]
+        keep = [name for name in self.cost_order if not self.policies[name].family.repairs]
         return CalibrationTable(self.model, tuple(keep), {name: self.kl[name] for name in keep}, self.bounds,
                                 None, self.source)
 
@@ -141,7 +146,7 @@ class AutoPolicy:
         bucket = size_bucket(prompt_tokens, bounds)
         target = f"target {self.target:g} for {bucket} tokens"
         if self.table is None:
-            return AutoChoice(parse_policy(FALLBACK), f"{AUTO}: {FALLBACK} (no calibration table for this model)")
+            return AutoChoice(FALLBACK_POLICY, f"{AUTO}: {FALLBACK} (no calibration table for this model)")
         closest: Optional[tuple[float, str]] = None
         for name in self._candidates(unavailable):
             expected = self.expected_kl(name, bucket)
@@ -149,12 +154,13 @@ class AutoPolicy:
                 continue
             kl, source = expected
             if kl <= self.target:
-                return AutoChoice(parse_policy(name), f"{AUTO}: {name} (expected KL {kl:.3f} <= {target}; {source})")
+                return AutoChoice(self.table.policies[name], f"{AUTO}: {name} (expected KL {kl:.3f} <= {target}; {source})")
             if closest is None or kl < closest[0]:
                 closest = (kl, name)
         best = f"; lowest expected: {closest[1]} {closest[0]:.3f}" if closest else ""
-        return AutoChoice(parse_policy(FALLBACK), f"{AUTO}: {FALLBACK} (no policy within {target}{best})")
+        return AutoChoice(FALLBACK_POLICY, f"{AUTO}: {FALLBACK} (no policy within {target}{best})")
 
     def _candidates(self, unavailable: Mapping[str, str]) -> Sequence[str]:
         assert self.table is not None
-        return [name for name in self.table.cost_order if parse_policy(name).family.name not in unavailable]
+        policies = self.table.policies
+        return [name for name in self.table.cost_order if policies[name].family.name not in unavailable]

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from rag_server.linking.chunk_discovery import (Discovered, DiscoverySettings, content_regions, discover,
                                                 tokenized)
-from rag_server.linking.policy_resolver import NamedPolicy
+from rag_server.linking.policy_resolver import NamedPolicy, Served
 from rag_server.service.rag_service import RagPlan, RagRequest, RagRequestError, RagService
 from retrieval.prompt_layout import CompiledPrompt
-from picrag_core.policies import PolicyError
 
 CONTROL_FIELD = "picrag"  # a body's own discovery control, never forwarded
 # Chat fields this path translates into /generate sampling parameters; a body setting any other
@@ -58,13 +57,17 @@ def _fields(payload: dict[str, Any]) -> set[str]:
     return set(payload) - {CONTROL_FIELD}
 
 
+# What a body asks to be linked with: resolved, or `auto` (resolved once its prompt is known).
+Asked = Union[Served, NamedPolicy]
+
+
 @dataclass(frozen=True)
 class DiscoveredPrompt:
     """A prompt whose passages were found, ready to link."""
 
     input_ids: list[int]
     found: Discovered
-    policy: NamedPolicy
+    served: Served  # the policy it is linked with, resolved once for it
 
     def report(self) -> dict[str, int]:
         return {"chunks": len(self.found.chunks), "chunk_tokens": self.found.chunk_tokens,
@@ -72,7 +75,8 @@ class DiscoveredPrompt:
 
 
 class PromptDiscovery:
-    """Finds the passages of the bodies that qualify (module docstring)."""
+    """Finds the passages of the bodies that qualify (module docstring). `chat`, `text` and
+    `token_ids` raise RagRequestError where the policy a body is linked with is refused."""
 
     def __init__(self, service: RagService, settings: DiscoverySettings, special_prefix: list[int],
                  chat_defaults: dict[str, Any]):
@@ -83,23 +87,31 @@ class PromptDiscovery:
         self.tokenizer = service.tokenizer
         self.found = 0  # prompts served through discovery (picrag_frontend_discovered_prompts)
 
-    def _policy(self, control: DiscoveryControl) -> Optional[NamedPolicy]:
-        """The policy a discovered prompt is linked with, None where linking would reuse nothing."""
+    def _policy(self, control: DiscoveryControl) -> Optional[Asked]:
+        """The policy a discovered prompt is linked with (resolved; `auto` is resolved once its
+        prompt is known), None where linking would reuse nothing. RagRequestError: a policy this
+        server refuses."""
         if not (self.settings.enabled and control.discover):
             return None
         policy = control.policy or self.service.policies.default
+        if policy.auto:
+            return policy
+        served = self.service.resolve(policy)
         # A policy that reuses nothing (prefix, full; reuse turned away by a failed self-check)
         # gains nothing from a link: SGLang's own route serves it.
-        reuses = policy.auto or self.service.policies.served(policy).policy.family.reuses_chunks
-        return policy if reuses else None
+        return served if served.policy.family.reuses_chunks else None
 
-    def _found(self, text: str, regions, policy: NamedPolicy, expected_ids: Optional[list[int]] = None,
+    def _found(self, text: str, regions, asked: Asked, expected_ids: Optional[list[int]] = None,
                prefix: list[int] = ()) -> Optional[DiscoveredPrompt]:
         prompt = tokenized(self.tokenizer, text, prefix, regions)
         if prompt is None or (expected_ids is not None and list(prompt.ids) != expected_ids):
             return None
         found = discover(prompt, self._encode, self.settings)
-        return DiscoveredPrompt(list(prompt.ids), found, policy) if found.chunks else None
+        if not found.chunks:
+            return None
+        ids = list(prompt.ids)
+        served = asked if isinstance(asked, Served) else self.service.serve(asked, len(ids))
+        return DiscoveredPrompt(ids, found, served)
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -144,13 +156,10 @@ class PromptDiscovery:
         too_long = limits.refusal(prompt_tokens, {"max_new_tokens": new_tokens})
         if too_long:
             raise RagRequestError(too_long)
-        request = RagRequest(question="", policy=found.policy, max_tokens=new_tokens, sampling=sampling,
+        request = RagRequest(question="", policy=found.served.policy, max_tokens=new_tokens, sampling=sampling,
                              documents=[])
-        try:
-            plan = self.service.plan_prompt(request, CompiledPrompt(found.input_ids, list(found.found.chunks), found.found.tail),
-                                            time.perf_counter())
-        except PolicyError as exc:
-            raise RagRequestError(str(exc)) from exc
+        prompt = CompiledPrompt(found.input_ids, list(found.found.chunks), found.found.tail)
+        plan = self.service.plan_prompt(request, prompt, time.perf_counter(), found.served)
         self.found += 1
         return plan
 

@@ -12,10 +12,10 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from rag_server.linking.pipeline import LinkPipeline, Linked
-from rag_server.linking.policy_resolver import NamedPolicy, PolicyResolver
+from rag_server.linking.policy_resolver import NamedPolicy, PolicyResolver, Served
 from rag_server.service.context_window import ContextLimits, PromptTooLong, fit_passages
 from rag_server.service.quality import QualityControl, QualitySettings
 from retrieval.passage import Passage
@@ -147,10 +147,8 @@ class RagService:
 
     async def plan(self, request: RagRequest) -> RagPlan:
         started = time.perf_counter()
-        try:
-            self.policies.check(request.policy.family)
-        except PolicyError as exc:
-            raise RagRequestError(str(exc)) from exc
+        # Resolved before retrieval, so a refused policy costs nothing; `auto` waits for its prompt.
+        served = None if request.policy.auto else self.resolve(request.policy)
         if request.documents is None:
             candidates, retrieval_ms = await self.retrieve(request.question, request.top_k or DEFAULT_TOP_K)
         else:
@@ -170,28 +168,36 @@ class RagService:
                 f"dropped {len(fitted.dropped)} of {len(candidates)} passages (lowest scores first) "
                 f"to fit the context window: {budget} prompt tokens with max_tokens={request.max_tokens}"
             )
-        return self._served(RagPlan(request, fitted.prompt, fitted.kept, fitted.dropped, warnings, retrieval_ms,
-                                    started))
+        plan = RagPlan(request, fitted.prompt, fitted.kept, fitted.dropped, warnings, retrieval_ms, started)
+        return self._served(plan, served or self.serve(request.policy, len(fitted.prompt.input_ids)))
 
-    def plan_prompt(self, request: RagRequest, prompt: CompiledPrompt, started: float) -> RagPlan:
+    def resolve(self, named: NamedPolicy) -> Served:
+        """The resolver's answer for a request asking for `named` (not `auto`); RagRequestError where refused."""
+        try:
+            return self.policies.resolve(named)
+        except PolicyError as exc:
+            raise RagRequestError(str(exc)) from exc
+
+    def serve(self, named: NamedPolicy, prompt_tokens: int) -> Served:
+        """What a request asking for `named`, its prompt `prompt_tokens` long, is served with:
+        `auto` chooses for the prompt first (rag_server/service/auto_policy.py)."""
+        if not named.auto:
+            return self.resolve(named)
+        choice = self.quality.auto.choose(prompt_tokens, self.policies.auto_excluded)
+        return dataclasses.replace(self.resolve(NamedPolicy.of(choice.policy)), reason=choice.reason)
+
+    def plan_prompt(self, request: RagRequest, prompt: CompiledPrompt, started: float, served: Served) -> RagPlan:
         """The plan of a whole prompt whose passages were found in it (rag_server/linking/
-        chunk_discovery.py): no retrieval, no layout; the policy chosen as for any RAG prompt."""
-        self.policies.check(request.policy.family)
-        return self._served(RagPlan(request, prompt, [], [], [], 0.0, started))
+        chunk_discovery.py): no retrieval, no layout; `served`: the request's policy, resolved."""
+        return self._served(RagPlan(request, prompt, [], [], [], 0.0, started), served)
 
-    def _served(self, plan: RagPlan) -> RagPlan:
-        """`plan` with the policy it is served with: `auto`'s choice for its prompt, then the
-        resolver's (a failed self-check may serve another), and why where it is not as asked."""
-        request = plan.request
-        if request.policy.auto:
-            choice = self.quality.auto.choose(len(plan.prompt.input_ids), self.policies.auto_excluded)
-            request = dataclasses.replace(request, policy=NamedPolicy.of(choice.policy))
-            plan = dataclasses.replace(plan, request=request, policy_reason=choice.reason)
-        served = self.policies.served(request.policy)
-        if served.warning is not None:
-            plan = dataclasses.replace(plan, request=dataclasses.replace(request, policy=served.policy),
-                                       warnings=[*plan.warnings, served.warning])
-        return plan
+    @staticmethod
+    def _served(plan: RagPlan, served: Served) -> RagPlan:
+        """`plan` with the policy it is served with, why `auto` chose it, and why where it is not
+        the one asked for."""
+        request = dataclasses.replace(plan.request, policy=served.policy)
+        warnings = plan.warnings if served.warning is None else [*plan.warnings, served.warning]
+        return dataclasses.replace(plan, request=request, policy_reason=served.reason, warnings=warnings)
 
     async def run(self, plan: RagPlan) -> AsyncIterator[str | RagResult]:
         """Text deltas as the runtime produces them, then the RagResult."""
