@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rag_server.bench.common import parse_policies, read_rows, with_unrelated_distractors
+from rag_server.bench.common import BenchError, parse_policies, read_rows, with_unrelated_distractors
 from rag_server.bench.load import LoadOptions, run_load
 from rag_server.bench.quality import QualityOptions, run_quality
 from picrag_core.model_store import PRESETS, ModelStoreError
@@ -60,6 +60,38 @@ def test_passage_bos_layout_starts_every_chunk_with_bos_and_changes_nothing_else
         PromptLayout(NoBos(), passage_bos=True)
 
 
+def test_paired_differences_and_their_interval():
+    from rag_server.bench.paired import paired_difference
+
+    baseline = {f"q{i}": 1.0 for i in range(10)}
+    better = {f"q{i}": 1.0 - 0.1 * (i % 3) for i in range(10)} | {"other": 5.0}  # only shared questions count
+    difference = paired_difference(better, baseline)
+    assert difference.questions == 10 and difference.mean == pytest.approx(-0.09)
+    assert difference.low < difference.mean < difference.high < 0 and difference.low >= -0.2
+    assert paired_difference(better, baseline) == difference  # seeded: a stored run reproduces its intervals
+    same = paired_difference(baseline, baseline)
+    assert (same.mean, same.low, same.high) == (0, 0, 0)
+    assert paired_difference({"a": 1.0}, {"b": 1.0}) is None
+
+
+def test_a_quality_run_resumes_only_with_its_own_settings(tmp_path: Path):
+    from rag_server.bench.quality import QuestionResult, RunProgress
+
+    def row(question: str, policy: str) -> QuestionResult:
+        return QuestionResult(question, policy, "x", 0.0, 0.5, True, 0.1, 0.2, 10, 5, 5, 1, 0, 0.2, 3)
+
+    path = tmp_path / "progress.jsonl"
+    run = RunProgress.open(path, {"max_tokens": 4})
+    run.finish("q1", [row("q1", "full"), row("q1", "naive"), row("q1", "select")])
+    run.fail("select", "failed on question q2: boom")
+    run.finish("q2", [row("q2", "full"), row("q2", "naive")])
+    again = RunProgress.open(path, {"max_tokens": 4})
+    assert again.done == {"q1", "q2"} and again.failed == {"select": "failed on question q2: boom"}
+    assert again.results == [row("q1", "full"), row("q1", "naive"), row("q2", "full"), row("q2", "naive")]
+    with pytest.raises(BenchError, match="other settings"):
+        RunProgress.open(path, {"max_tokens": 5})
+
+
 def test_split_gguf_is_assembled_in_order_and_hash_checked(tmp_path, monkeypatch):
     monkeypatch.setenv("PICRAG_HOME", str(tmp_path / "home"))
     parts = {f"pkg{i}": tmp_path / f"part0{i}.bin" for i in (1, 2, 3)}
@@ -79,29 +111,62 @@ def test_split_gguf_is_assembled_in_order_and_hash_checked(tmp_path, monkeypatch
 
 def test_bench_quality_smoke(picrag_server, shared_qa: Path, tmp_path: Path):
     out = tmp_path / "quality"
-    run_quality(QualityOptions(
-        dataset=shared_qa / "hotpotqa.dev.jsonl", policies="naive,nosuchpolicy", out=out, limit=2,
+    options = QualityOptions(
+        dataset=shared_qa / "hotpotqa.dev.jsonl", policies="naive,prefix,nosuchpolicy", out=out, limit=2,
         max_passages=2, max_tokens=4, url=picrag_server.url,
-    ), progress=False)
+    )
+    run_quality(options, progress=False)
     report = json.loads((out / "results.json").read_text())
-    assert set(report["policies"]) == {"full", "naive"}  # full joins as the reference
+    assert set(report["policies"]) == {"full", "naive", "prefix"}  # full joins as the reference
     for name, summary in report["policies"].items():
         assert summary["questions"] == 2
         for key in ("f1", "em", "agreement_with_full", "first_token_kl_mean", "ttft_p50_s", "ttft_p90_s",
                     "computed_tokens_mean", "reused_tokens_mean", "chunk_hit_rate", "ttft_speedup_vs_full",
-                    "naive_kl_closed"):
+                    "naive_kl_closed", "answer_span_kl_mean", "answer_span_tokens_mean"):
             assert key in summary, (name, key)
-    full, naive = report["policies"]["full"], report["policies"]["naive"]
+    full, naive, prefix = (report["policies"][name] for name in ("full", "naive", "prefix"))
     assert full["agreement_with_full"] == 100 and full["reused_tokens_mean"] == 0
     assert naive["reused_tokens_mean"] > 0 and naive["chunk_hit_rate"] is not None
     # Exact over the whole vocabulary: reuse moves the first token's distribution at least a little.
     assert naive["first_token_kl_questions"] == 2 and naive["first_token_kl_mean"] > 0
     assert full["first_token_kl_mean"] == 0 and full["naive_kl_closed"] == 100 and naive["naive_kl_closed"] == 0
+    # The span: full's answer positions (at most max_tokens), the same count for every policy.
+    spans = {(r["id"], r["policy"]): r["answer_span_tokens"] for r in report["per_question"]}
+    assert all(1 <= n <= 4 for n in spans.values()) and any(n > 1 for n in spans.values())
+    assert spans[(report["per_question"][0]["id"], "naive")] == spans[(report["per_question"][0]["id"], "full")]
+    assert full["answer_span_kl_mean"] == 0 and naive["answer_span_kl_mean"] > 0
+    # prefix is full's prefill from its own radix tree: teacher-forced too, it stays full's to float noise.
+    assert prefix["answer_span_kl_mean"] < 1e-3
+    paired = prefix["paired_vs_naive"]["answer_span_kl"]
+    assert paired["questions"] == 2 and paired["ci95"][0] <= paired["mean"] <= paired["ci95"][1] < 0
+    assert "paired_vs_naive" not in naive and "paired_vs_naive" not in full
     assert [u["policy"] for u in report["unavailable"]] == ["nosuchpolicy"]
     assert "unknown policy" in report["unavailable"][0]["reason"]
     table = (out / "results.md").read_text()
-    assert "| naive |" in table and "nosuchpolicy | unavailable" in table
+    assert "| naive |" in table and "nosuchpolicy | unavailable" in table and "Paired against naive" in table
     assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # Resumed with one more question: the two measured are kept as they were, one is added.
+    run_quality(replace(options, limit=3), progress=False)
+    resumed = json.loads((out / "results.json").read_text())
+    assert resumed["questions"] == 3
+    assert [r for r in resumed["per_question"] if r["id"] in {q for q, _ in spans}] == report["per_question"]
+    with pytest.raises(BenchError, match="other settings"):
+        run_quality(replace(options, max_tokens=5), progress=False)
+
+
+def test_teacher_forcing_predicts_fulls_own_greedy_answer(picrag_server, layout, shared_qa: Path):
+    import httpx
+
+    from rag_server.bench.common import forced_logprobs, measure
+
+    row = read_rows(shared_qa / "hotpotqa.dev.jsonl", 1, 2)[0]
+    prompt = layout.build(row.question, row.passages)
+    with httpx.Client(base_url=picrag_server.url, timeout=600) as client:
+        answer = measure(client, prompt, "full", 4, first_token_distribution=True).output_ids
+        assert 0 < len(answer) <= 4
+        for j in range(1, len(answer)):
+            assert int(forced_logprobs(client, prompt, "full", answer[:j]).argmax()) == answer[j], j
 
 
 def test_bench_load_smoke(picrag_server, shared_qa: Path, tmp_path: Path):

@@ -8,7 +8,9 @@ import torch
 
 from sglang_patches.steps.kv_repair import RepairPart, RepairSpan, repair_spans
 from picrag_core.rope_shift import KeyShifter
-from tests.chunk_requests import counters, first_token_top, passages_of, picrag_meta, question_tokens, run
+from rag_server.bench.transparency import TOLERANCE
+from tests.chunk_requests import (assert_same_answer, counters, first_token_top, passages_of, picrag_meta,
+                                 question_tokens, run)
 
 LAYERS, HEADS, DIM = 2, 2, 8
 
@@ -92,7 +94,7 @@ def test_serve_refuses_a_checkpoint_for_another_model(tmp_path, default_model_di
 
 
 @pytest.mark.server
-def test_zero_initialised_repair_is_exactly_naive(picrag_server, layout, musique):
+def test_zero_initialised_repair_answers_as_naive(picrag_server, layout, musique):
     row = musique[57]
     prompt = layout.build(row["question"], passages_of(row, [0, 1, 2]))
     with picrag_server.client() as client:
@@ -103,8 +105,10 @@ def test_zero_initialised_repair_is_exactly_naive(picrag_server, layout, musique
     meta = picrag_meta(repaired)
     assert meta.policy == "cacherepair" and meta.computed_tokens == question_tokens(prompt)
     assert after - before == prompt.chunk_tokens
-    assert repaired["output_ids"] == naive["output_ids"]
-    assert first_token_top(repaired) == first_token_top(naive)
+    # A zero delta changes no stored value; the two requests' chunks may still come from compiles
+    # batched differently, and on some CPUs (AVX-512 here) a GEMM's rounding depends on the batch:
+    # the transparency fuzzer's tolerance, not bit equality.
+    assert_same_answer(repaired, naive, TOLERANCE)
 
 
 def shipped_checkpoints() -> list:

@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from picrag_core.link_hints import MISS_REFUSAL, MISS_REFUSAL_STATUS, link_hints
+from rag_server.bench.transparency import TOLERANCE
 from tests.chunk_requests import counters, generate, logprobs_of, passages_of, picrag_meta, question_tokens
 
 pytestmark = pytest.mark.server
@@ -177,7 +178,10 @@ def test_chunks_lost_after_compile_are_compiled_and_linked_again(picrag_server, 
     for out in (again, events[-1]):
         assert picrag_meta(out).chunk_hits == 3 and picrag_meta(out).chunk_misses == 0
     assert again["output_ids"] == first["output_ids"]
-    assert logprobs_of(again) == logprobs_of(first)
+    # The relink compiles every piece again (the first link may have found the head stored): a
+    # batch of another shape, and on some CPUs (AVX-512 here) a GEMM's rounding depends on it, so
+    # the answers agree to the transparency fuzzer's tolerance, not bit for bit.
+    assert logprobs_of(again) == pytest.approx(logprobs_of(first), abs=TOLERANCE)
     assert events[-1]["output_ids"] == first["output_ids"]
 
 

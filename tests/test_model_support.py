@@ -12,7 +12,7 @@ from picrag_core.link_hints import LinkHintError, LinkRequest, hints_of
 from picrag_core.model_support import (BLEND_ARCHITECTURES, TESTED_ARCHITECTURES, ModelTraits, chunk_reuse_refusal,
                                        model_refusals)
 from picrag_core.policies import POLICY_FAMILIES
-from rag_server.linking.policy_resolver import PolicyResolver, PolicyUnavailable, engine_refusals
+from rag_server.linking.policy_resolver import NamedPolicy, PolicyResolver, PolicyUnavailable, engine_refusals
 from picrag_core.attention_backends import FLASHINFER_BACKEND, NATIVE_BACKEND, model_backend_refusal
 from sglang_patches.guard.request_guard import EngineSettings, RequestShape, admitted_link
 
@@ -143,8 +143,8 @@ def test_the_frontend_refuses_them_with_the_reason_and_falls_back_for_its_defaul
                                                        traits("Olmo2Config", "Olmo2ForCausalLM")))
     assert olmo2.default.name == "legolink"
     with pytest.raises(PolicyUnavailable, match="layer hook"):
-        olmo2.check(POLICY_FAMILIES["cacheblend"])
-    olmo2.check(POLICY_FAMILIES["legolink"])
+        olmo2.resolve(NamedPolicy.parse("cacheblend"))
+    assert olmo2.resolve(NamedPolicy.parse("legolink")).policy.name == "legolink"
     # A model that allows no chunk reuse is served with SGLang's own prefix cache by default.
     windowed = PolicyResolver.start(None, engine_refusals(NATIVE_BACKEND, None,
                                                           traits("MistralConfig", "MistralForCausalLM")))

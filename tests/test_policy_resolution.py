@@ -61,6 +61,8 @@ def _requests(passages: list[str]) -> dict[str, tuple[str, dict]]:
         "discovered_chat_auto": ("/v1/chat/completions", _chat(passages, {"discover": True, "policy": "auto"})),
         "discovered_completion": ("/v1/completions", {"model": "default", "prompt": text, "max_tokens": 2}),
         "discovered_generate": ("/generate", {"text": text, "sampling_params": {"max_new_tokens": 2}}),
+        "discovered_generate_auto": ("/generate", {"text": text, "sampling_params": {"max_new_tokens": 2},
+                                                   "picrag": {"discover": True, "policy": "auto"}}),
     }
 
 
@@ -78,8 +80,9 @@ def test_every_request_resolves_its_policy_once(default_model_dir, passages, res
             assert len(resolutions) == 1, (name, resolutions)
             if gate.refusal is not None:  # reuse turned away: nothing reaches the runtime as a reusing link
                 assert set(sent) <= {"prefix", "full", "vanilla"}, (name, sent)
-            elif name in REUSING:  # linked as resolved
+            else:  # every one linked, as resolved (`auto` as it chose)
                 assert sent[-1] == parse_policy(resolutions[0]).family.name, (name, sent, resolutions)
+                assert name not in REUSING or parse_policy(resolutions[0]).family.reuses_chunks, name
             if path == "/rag/query":
                 served = response.json()["policy"]
                 assert served == ("prefix" if gate.refusal is not None and name != "rag_auto"

@@ -174,6 +174,7 @@ class Measured:
     # The first answer token's log-probabilities over the whole vocabulary, when asked for (sent
     # in the last event).
     first_logprobs: np.ndarray | None = None
+    output_ids: tuple[int, ...] = ()  # the answer's token ids (SGLang's last event holds them all)
 
 
 def measure(client: httpx.Client, prompt: CompiledPrompt, policy: str | None, max_tokens: int,
@@ -193,7 +194,7 @@ def measure(client: httpx.Client, prompt: CompiledPrompt, policy: str | None, ma
     started = time.perf_counter()
     ttft = None
     first_logprobs = None
-    text, report = "", EngineReport()
+    text, report, output_ids = "", EngineReport(), ()
     with client.stream("POST", "/generate", json=body) as response:
         if response.status_code != 200:
             raise BenchError(f"/generate ({name}) answered {response.status_code}: {response.read()[:300]!r}")
@@ -203,13 +204,22 @@ def measure(client: httpx.Client, prompt: CompiledPrompt, policy: str | None, ma
             if ttft is None:
                 ttft = time.perf_counter() - started
             text, report = event.get("text", ""), EngineReport.of(event.get("meta_info"))
+            output_ids = tuple(event.get("output_ids") or output_ids)
             if report.first_token_logprobs is not None:
                 first_logprobs = report.first_token_logprobs
     if ttft is None:
         raise BenchError(f"/generate ({name}) streamed no output")
     if first_token_distribution and first_logprobs is None:
         raise BenchError(f"/generate ({name}) sent no first-token distribution")
-    return Measured(text=text, ttft_s=ttft, report=report, first_logprobs=first_logprobs)
+    return Measured(text=text, ttft_s=ttft, report=report, first_logprobs=first_logprobs, output_ids=output_ids)
+
+
+def forced_logprobs(client: httpx.Client, prompt: CompiledPrompt, policy: str, answer_ids: Sequence[int]) -> np.ndarray:
+    """The next token's log-probabilities over the whole vocabulary after `prompt` linked under
+    `policy` and then `answer_ids` (teacher forcing: the answer's tokens join the question's extend;
+    the chunk spans stand where they were)."""
+    forced = CompiledPrompt(prompt.input_ids + list(answer_ids), prompt.chunks, prompt.tail)
+    return measure(client, forced, policy, 1, first_token_distribution=True).first_logprobs
 
 
 def warm_chunks(client: httpx.Client, layout: PromptLayout, prompt: CompiledPrompt, policy: str) -> None:

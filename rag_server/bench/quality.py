@@ -11,6 +11,18 @@ question, and any common passage prefix).
 First-token KL to `full`: exact, over the whole vocabulary. Every request asks the engine for its
 first answer token's log-probabilities (sglang_patches.steps.first_token_report), and the KL is
 computed from the two distributions.
+
+Answer-span KL to `full`: the same KL at each of the first `--answer-span` positions of `full`'s
+greedy answer, every policy teacher-forced on it (the prompt linked as the policy links it, then
+`full`'s first j answer tokens, asking for the next token's distribution), averaged over the
+positions. A first token that is mostly a style word ("The") is then one position of sixteen.
+
+Comparisons are paired by question: every policy against `naive` (the reuse it corrects), the
+mean difference with its bootstrap 95% interval (rag_server/bench/paired.py).
+
+A run resumes: each finished question is appended to `progress.jsonl` in `--out`, and a run
+started again with the same settings measures only the questions not there yet (a larger
+`--limit` adds questions to it).
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ from rag_server.bench.common import (
     fmt,
     load_layout,
     machine_description,
+    forced_logprobs,
     measure,
     model_path_of,
     parse_policies,
@@ -49,6 +62,7 @@ from rag_server.bench.common import (
     with_unrelated_distractors,
 )
 from rag_server.bench.chat_prompts import ChatPromptLayout
+from rag_server.bench.paired import by_question, paired_difference
 from rag_server.bench.scoring import score_answer
 from rag_server.launch.repair_checkpoint import SHIPPED_DIR, choose_repair_checkpoint
 from rag_server.service.auto_policy import CalibrationTable
@@ -61,6 +75,12 @@ from picrag_core.repair.checkpoint import RepairCheckpointError, checkpoint_iden
 
 REFERENCE = "full"
 NAIVE = "naive"  # the KL every other policy's is measured against: reuse with no correction
+DEFAULT_ANSWER_SPAN = 16
+PROGRESS_FILE = "progress.jsonl"
+# Per-question values compared pairwise against naive: (field, report name, scale); F1 and
+# agreement in percentage points, as the summary gives them.
+PAIRED = (("first_token_kl", "first_token_kl", 1.0), ("answer_span_kl", "answer_span_kl", 1.0), ("f1", "f1", 100.0),
+          ("agrees_with_full", "agreement_with_full", 100.0))
 
 
 @dataclass(frozen=True)
@@ -80,6 +100,7 @@ class QualityOptions:
     passage_bos: bool = False  # every passage starts with BOS (EPIC's layout), in every policy's prompt
     repair_checkpoint: Path | None = None  # the server started here serves this one, not the shipped one
     prompt_form: str = "annotated"  # "chat": documents inside the user message, passages found (chat_prompts.py)
+    answer_span: int = DEFAULT_ANSWER_SPAN  # positions of full's answer the answer-span KL averages (1: the first)
 
 
 @dataclass
@@ -97,18 +118,32 @@ class QuestionResult:
     computed_tokens: int
     chunk_hits: int
     chunk_misses: int
+    # Mean exact KL to full over the first answer_span_tokens positions of full's answer (None:
+    # runs before it was measured).
+    answer_span_kl: float | None = None
+    answer_span_tokens: int = 0
 
 
-def _question_result(row: QARow, policy: str, measured: Measured, reference: Measured) -> QuestionResult:
+def _question_result(row: QARow, policy: str, measured: Measured, reference: Measured,
+                     span: list[tuple[Any, Any]]) -> QuestionResult:
+    """`span`: (full's, the policy's) next-token log-probabilities at each forced answer position."""
     score = score_answer(measured.text, row.answers)
     kl = 0.0 if policy == REFERENCE else exact_kl(reference.first_logprobs, measured.first_logprobs)
+    span_kls = [kl] + [0.0 if policy == REFERENCE else exact_kl(full, own) for full, own in span]
     return QuestionResult(
         id=row.id, policy=policy, answer=measured.text, em=score.em, f1=score.f1,
         agrees_with_full=measured.text.strip() == reference.text.strip(), first_token_kl=kl,
         ttft_s=round(measured.ttft_s, 4), prompt_tokens=measured.report.prompt_tokens,
         reused_tokens=measured.report.reused_tokens, computed_tokens=measured.report.computed_tokens,
         chunk_hits=measured.report.chunk_hits, chunk_misses=measured.report.chunk_misses,
+        answer_span_kl=statistics.fmean(span_kls), answer_span_tokens=len(span_kls),
     )
+
+
+def _span_logprobs(client: httpx.Client, prompt, policy: str, answer_ids: tuple[int, ...]) -> list[Any]:
+    """The policy's next-token log-probabilities after each of `answer_ids`' proper prefixes
+    but the empty one (the first position is the measured request's own)."""
+    return [forced_logprobs(client, prompt, policy, answer_ids[:j]) for j in range(1, len(answer_ids))]
 
 
 def _mean(values: list[float]) -> float | None:
@@ -122,6 +157,7 @@ def summarise(results: list[QuestionResult], policies: list[str]) -> dict[str, d
         if not rows:
             continue
         kls = [r.first_token_kl for r in rows if r.first_token_kl is not None]
+        span_kls = [r.answer_span_kl for r in rows if r.answer_span_kl is not None]
         hits, misses = sum(r.chunk_hits for r in rows), sum(r.chunk_misses for r in rows)
         ttfts = [r.ttft_s for r in rows]
         summary[policy] = {
@@ -131,6 +167,8 @@ def summarise(results: list[QuestionResult], policies: list[str]) -> dict[str, d
             "agreement_with_full": 100 * statistics.fmean(float(r.agrees_with_full) for r in rows),
             "first_token_kl_mean": _mean(kls),
             "first_token_kl_questions": len(kls),
+            "answer_span_kl_mean": _mean(span_kls),
+            "answer_span_tokens_mean": _mean([r.answer_span_tokens for r in rows if r.answer_span_kl is not None]),
             "ttft_p50_s": percentile(ttfts, 50),
             "ttft_p90_s": percentile(ttfts, 90),
             "prompt_tokens_mean": statistics.fmean(r.prompt_tokens for r in rows),
@@ -147,10 +185,19 @@ def summarise(results: list[QuestionResult], policies: list[str]) -> dict[str, d
         # How much of reuse's KL the policy removes: 0% is naive's KL, 100% is full prefill's.
         kl = values["first_token_kl_mean"]
         values["naive_kl_closed"] = 100 * (1 - kl / naive_kl) if naive_kl and kl is not None else None
+    naive_rows = [r for r in results if r.policy == NAIVE]
+    for policy, values in summary.items():
+        if policy in (NAIVE, REFERENCE) or not naive_rows:
+            continue
+        rows = [r for r in results if r.policy == policy]
+        paired = {name: paired_difference(by_question(rows, field, scale), by_question(naive_rows, field, scale))
+                  for field, name, scale in PAIRED}
+        values["paired_vs_naive"] = {name: d.as_json() for name, d in paired.items() if d is not None}
     return summary
 
 
-TABLE_COLUMNS = ("policy", "F1", "EM", "agree w/ full %", "1st-token KL", "naive's KL closed", "TTFT p50 (s)",
+TABLE_COLUMNS = ("policy", "F1", "EM", "agree w/ full %", "1st-token KL", "answer-span KL", "naive's KL closed",
+                 "TTFT p50 (s)",
                  "TTFT p90 (s)", "speed-up", "computed tok", "reused tok", "chunk hit rate")
 
 
@@ -160,11 +207,30 @@ def _percent(value: float | None) -> str:
 
 def markdown_table(summary: dict[str, dict[str, Any]], unavailable: list[dict[str, str]]) -> str:
     rows = [(policy, fmt(s["f1"], 1), fmt(s["em"], 1), fmt(s["agreement_with_full"], 0),
-             fmt(s["first_token_kl_mean"], 3), _percent(s["naive_kl_closed"]), fmt(s["ttft_p50_s"]),
-             fmt(s["ttft_p90_s"]),
+             fmt(s["first_token_kl_mean"], 3), fmt(s.get("answer_span_kl_mean"), 3), _percent(s["naive_kl_closed"]),
+             fmt(s["ttft_p50_s"]), fmt(s["ttft_p90_s"]),
              f"{fmt(s['ttft_speedup_vs_full'], 1)}x", fmt(s["computed_tokens_mean"], 0),
              fmt(s["reused_tokens_mean"], 0), fmt(s["chunk_hit_rate"])) for policy, s in summary.items()]
-    return render_table(TABLE_COLUMNS, rows, unavailable)
+    table = render_table(TABLE_COLUMNS, rows, unavailable)
+    paired = [(policy, s["paired_vs_naive"]) for policy, s in summary.items() if s.get("paired_vs_naive")]
+    if not paired:
+        return table
+    lines = ["", "Paired against naive, per question (policy minus naive; bootstrap 95% interval):", "",
+             "| policy | questions | 1st-token KL | answer-span KL | F1 | agreement |", "|---|---|---|---|---|---|"]
+    for policy, differences in paired:
+        cells = [_difference(differences.get(name), digits)
+                 for name, digits in (("first_token_kl", 3), ("answer_span_kl", 3), ("f1", 1),
+                                      ("agreement_with_full", 0))]
+        questions = max((d["questions"] for d in differences.values()), default=0)
+        lines.append(f"| {policy} | {questions} | " + " | ".join(cells) + " |")
+    return table + "\n".join(lines) + "\n"
+
+
+def _difference(value: dict[str, Any] | None, digits: int) -> str:
+    if value is None:
+        return "n/a"
+    low, high = value["ci95"]
+    return f"{value['mean']:+.{digits}f} ({low:+.{digits}f}..{high:+.{digits}f})"
 
 
 @dataclass(frozen=True)
@@ -347,23 +413,36 @@ def run_quality(options: QualityOptions, progress: bool = True) -> dict[str, Any
         model_dir = model_path_of(url, options.model)
         layout = load_layout(model_dir, options.passage_bos)
         prompts = ChatPromptLayout(layout.tokenizer) if options.prompt_form == "chat" else layout
-        results: list[QuestionResult] = []
-        failed: dict[str, str] = {}
+        run = RunProgress.open(options.out / PROGRESS_FILE, _run_settings(options, runnable, model_dir))
+        results, failed = run.results, run.failed
+        todo = [row for row in rows if row.id not in run.done]
+        if run.done:
+            print(f"picrag bench quality: resuming {options.out}: {len(rows) - len(todo)} of {len(rows)} questions "
+                  f"measured before", file=sys.stderr)
         with httpx.Client(base_url=url, timeout=1800) as client:
-            for row in tqdm(rows, desc="picrag bench quality", unit="q", disable=not progress, file=sys.stderr):
+            for row in tqdm(todo, desc="picrag bench quality", unit="q", disable=not progress, file=sys.stderr):
                 prompt = prompts.build(row.question, row.passages)
                 reference = measure(client, prompt, REFERENCE, options.max_tokens, first_token_distribution=True)
-                results.append(_question_result(row, REFERENCE, reference, reference))
+                answer_ids = reference.output_ids[:options.answer_span]
+                full_span = _span_logprobs(client, prompt, REFERENCE, answer_ids)
+                measured_rows = [_question_result(row, REFERENCE, reference, reference, list(zip(full_span, full_span)))]
                 for policy in [p for p in runnable[1:] if p not in failed]:
                     try:
                         warm_chunks(client, layout, prompt, policy)
                         measured = measure(client, prompt, policy, options.max_tokens,
                                            first_token_distribution=True)
+                        # After the measured request, so its TTFT never profits from these.
+                        span = list(zip(full_span, _span_logprobs(client, prompt, policy, answer_ids)))
                     except BenchError as exc:
                         # One broken policy must not cost the others' run: report it instead.
-                        failed[policy] = f"failed on question {row.id}: {exc}"
+                        run.fail(policy, f"failed on question {row.id}: {exc}")
                         continue
-                    results.append(_question_result(row, policy, measured, reference))
+                    measured_rows.append(_question_result(row, policy, measured, reference, span))
+                run.finish(row.id, measured_rows)
+        # The report is of this run's questions: a resumed run asked for fewer holds more.
+        rows = [row for row in rows if row.id in run.done]
+        ids = {row.id for row in rows}
+        results = [r for r in results if r.id in ids]
 
     # A policy that failed midway is reported as such; its partial rows would not compare.
     results = [r for r in results if r.policy not in failed]
@@ -378,13 +457,17 @@ def run_quality(options: QualityOptions, progress: bool = True) -> dict[str, Any
         "machine": machine_description(),
         "settings": {"max_tokens": options.max_tokens, "greedy": True, "max_passages": options.max_passages,
                      "distractors": "unrelated" if options.unrelated_distractors else "dataset",
-                     "passage_bos": options.passage_bos, "prompt_form": options.prompt_form},
+                     "passage_bos": options.passage_bos, "prompt_form": options.prompt_form,
+                     "answer_span": options.answer_span},
         "method": {
             "ttft": "client wall time to the first streamed token through the frontend's /generate "
                     "(chunk compile round trips included)",
             "warm": "the head and passages a chunk policy links compiled (picrag.compile) right before "
                     "that policy is measured on the question",
             "first_token_kl": "KL(full || policy) of the first answer token, exact over the whole vocabulary",
+            "answer_span_kl": f"KL(full || policy), exact, at each of the first {options.answer_span} positions of "
+                              "full's greedy answer, every policy teacher-forced on it, averaged over the positions",
+            "paired": "policy minus naive per question, mean and bootstrap 95% interval (2000 resamples, seed 0)",
             "agreement": "greedy answer text identical to full's (whitespace-stripped)",
             "scores": "SQuAD EM/F1 of the first answer line, max over gold aliases, in percent",
         },
@@ -403,6 +486,58 @@ def run_quality(options: QualityOptions, progress: bool = True) -> dict[str, Any
     pareto_plot(summary, options.out / "pareto.png",
                 f"{model_dir.name}, {options.dataset.name}, {len(rows)} questions")
     return report
+
+
+def _run_settings(options: QualityOptions, policies: list[str], model_dir: Path) -> dict[str, Any]:
+    """What the questions of one run share: a run resumes only where these are the same."""
+    return {"dataset": str(options.dataset), "policies": policies, "model": str(model_dir),
+            "max_passages": options.max_passages, "max_tokens": options.max_tokens,
+            "unrelated_distractors": options.unrelated_distractors, "passage_bos": options.passage_bos,
+            "prompt_form": options.prompt_form, "answer_span": options.answer_span,
+            "repair_checkpoint": None if options.repair_checkpoint is None else str(options.repair_checkpoint)}
+
+
+@dataclass
+class RunProgress:
+    """The questions a run has measured, appended to `path` as each finishes (module docstring)."""
+
+    path: Path
+    results: list[QuestionResult]
+    failed: dict[str, str]  # policy -> why it stopped being measured
+    done: set[str]
+
+    @classmethod
+    def open(cls, path: Path, settings: dict[str, Any]) -> RunProgress:
+        run = cls(path, [], {}, set())
+        if not path.is_file():
+            path.write_text(json.dumps({"settings": settings}) + "\n")
+            return run
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if not lines or lines[0].get("settings") != settings:
+            raise BenchError(f"{path} holds a run with other settings ({lines[0].get('settings') if lines else 'none'}): "
+                             "choose another --out, or remove it to start again")
+        for line in lines[1:]:
+            if "failed" in line:
+                run.failed[line["failed"]] = line["reason"]
+            else:
+                run.done.add(line["id"])
+                run.results.extend(QuestionResult(**r) for r in line["results"])
+        # A policy that failed midway is measured on no further question, and reported as failed.
+        run.results = [r for r in run.results if r.policy not in run.failed]
+        return run
+
+    def _append(self, line: dict[str, Any]) -> None:
+        with self.path.open("a") as out:
+            out.write(json.dumps(line) + "\n")
+
+    def fail(self, policy: str, reason: str) -> None:
+        self.failed[policy] = reason
+        self._append({"failed": policy, "reason": reason})
+
+    def finish(self, question: str, rows: list[QuestionResult]) -> None:
+        self.done.add(question)
+        self.results.extend(rows)
+        self._append({"id": question, "results": [asdict(r) for r in rows]})
 
 
 def _repair_record(options: QualityOptions, model_dir: Path, policies: list[str]) -> dict[str, Any] | None:
@@ -439,6 +574,10 @@ def register(commands) -> None:
                          help="'chat': each question as a chat app sends it, the documents as paragraphs of the "
                          "user message and the passages the ones the frontend finds there (default: picrag's "
                          "annotated layout)")
+    quality.add_argument("--answer-span", type=int, default=DEFAULT_ANSWER_SPAN, metavar="N",
+                         help="positions of full's greedy answer the answer-span KL averages, every policy "
+                         f"teacher-forced on it (default {DEFAULT_ANSWER_SPAN}; 1: the first token only, "
+                         "one request per policy and question)")
     quality.add_argument("--write-calibration", type=Path, default=None, metavar="FILE",
                          help="also write the `auto` policy's calibration table (mean KL per policy and "
                          "prompt size, policies by speed-up) for `picrag serve --calibration FILE`")
@@ -464,7 +603,10 @@ def _main(args) -> int:
         url=args.url, model=args.model, port=args.port, command=command_line(),
         write_calibration=args.write_calibration, unrelated_distractors=args.distractors == "unrelated",
         passage_bos=args.passage_bos, repair_checkpoint=args.repair_checkpoint, prompt_form=args.prompt_form,
+        answer_span=args.answer_span,
     )
+    if options.answer_span < 1:
+        raise BenchError("--answer-span counts positions of full's answer: 1 or more")
     report = run_quality(options)
     print((options.out / "results.md").read_text())
     print(f"-> {options.out}/results.json, results.md, pareto.png")
