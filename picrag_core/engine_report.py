@@ -3,8 +3,10 @@
 SGLang ships a per-request dict of cache details with every response
 (`meta_info.cached_tokens_details`); the engine adds its fields there (sglang_patches.steps.meta_info):
 the link's accounting (`LinkCounts.as_meta`), and, when the link asked for them, the first answer
-token's log-probabilities over the whole vocabulary (sglang_patches.steps.first_token_report) and the
-question's attention over every prompt position (sglang_patches.steps.context_attention), each as
+token's log-probabilities over the whole vocabulary (sglang_patches.steps.first_token_report), the
+next token's after each of the prompt's last K positions (sglang_patches.steps.span_report, K rows
+of the vocabulary one after the other) and the question's attention over every prompt position
+(sglang_patches.steps.context_attention), each as
 base64 of little-endian float32 (`encode_floats`). Everything that reads a response decodes it
 with `EngineReport.of`, here, next to the schema it writes.
 """
@@ -22,6 +24,7 @@ DETAILS_KEY = "cached_tokens_details"
 FIELD_PREFIX = "picrag_"
 FIRST_TOKEN_KEY = FIELD_PREFIX + "first_token_logprobs"
 ATTENTION_KEY = FIELD_PREFIX + "context_attention"
+SPAN_KEY = FIELD_PREFIX + "span_logprobs"
 # The engine's start-up self-check result in /get_server_info's internal states.
 SERVER_INFO_KEY = "picrag_rope_check"
 
@@ -74,6 +77,9 @@ class EngineReport:
     link: Optional[LinkCounts] = None  # None: not a linked request
     first_token_logprobs: Optional[np.ndarray] = None  # one per vocabulary id, when asked for
     context_attention: Optional[np.ndarray] = None  # one per prompt position, when asked for
+    # [K, vocabulary]: after each of the prompt's last K positions, when asked for (flat until
+    # `span_rows` shapes it: the vocabulary's size is the reader's to know).
+    span_logprobs: Optional[np.ndarray] = None
 
     @classmethod
     def of(cls, meta_info: Optional[Mapping[str, Any]], prompt_tokens: int = 0) -> EngineReport:
@@ -81,7 +87,7 @@ class EngineReport:
         where meta_info does not say."""
         meta = meta_info or {}
         details = meta.get(DETAILS_KEY) or {}
-        first_token, attention = details.get(FIRST_TOKEN_KEY), details.get(ATTENTION_KEY)
+        first_token, attention, span = (details.get(key) for key in (FIRST_TOKEN_KEY, ATTENTION_KEY, SPAN_KEY))
         return cls(
             prompt_tokens=int(meta.get("prompt_tokens", prompt_tokens)),
             completion_tokens=int(meta.get("completion_tokens", 0)),
@@ -89,7 +95,17 @@ class EngineReport:
             link=LinkCounts.of(details),
             first_token_logprobs=None if first_token is None else decode_floats(first_token),
             context_attention=None if attention is None else decode_floats(attention),
+            span_logprobs=None if span is None else decode_floats(span),
         )
+
+    def span_rows(self, positions: int) -> Optional[np.ndarray]:
+        """The reported span as [positions, vocabulary]; None when none came back, ValueError
+        when it does not hold `positions` whole rows."""
+        if self.span_logprobs is None:
+            return None
+        if positions < 1 or len(self.span_logprobs) % positions:
+            raise ValueError(f"{len(self.span_logprobs)} span values are not {positions} rows")
+        return self.span_logprobs.reshape(positions, -1)
 
     @property
     def reused_tokens(self) -> int:

@@ -26,6 +26,10 @@ and versioned actions, delivered to the tree cache as `req.kv_hints`). Two actio
   prompt does not hold there: a passage found last in a prompt, where the blank line that ends
   every other passage is missing, is then the same stored chunk as in any other position. Its
   own tokens' KV comes from that chunk's causal prefix (the tail is never grafted).
+  ``"span_logprobs": K`` (1 to `MAX_SPAN_POSITIONS`) asks for the next token's log-probabilities
+  over the whole vocabulary after each of the prompt's last K positions, all after the last
+  chunk (sglang_patches.steps.span_report): sent with an answer's first K - 1 tokens at the end
+  of the prompt, one request measures a policy teacher-forced on that answer.
 
 ``picrag.compile`` (version "1", empty payload): the whole prompt is one chunk to compute alone
 at positions 0..n-1 and store in the chunk cache (send it with ``max_new_tokens`` 0 or 1).
@@ -53,7 +57,7 @@ ORIGINAL_LAYOUT = "original"
 # The value of "layout" for a prompt sent reordered (families with reordered_layout: LegoLink's order first).
 REORDERED_LAYOUT = "legolink"
 LINK_FIELDS = ("policy", "chunks", K.name, RATIO.name, "layout", "sink_token", "on_miss", "first_token_logprobs",
-               "recompute", "context_attention", "tail")
+               "recompute", "context_attention", "tail", "span_logprobs")
 ON_MISS_COMPUTE = "compute"
 ON_MISS_REFUSE = "refuse"
 # The start of the engine's answer to an `on_miss: refuse` link whose chunks are not all stored
@@ -64,6 +68,9 @@ MISS_REFUSAL_STATUS = 409
 MAX_TAIL_TOKENS = 8
 # Above every vocabulary: the engine checks a tail against its own (sglang_patches.guard.request_guard).
 MAX_TOKEN_ID = 1 << 31
+# The most prompt positions one link may ask the full distribution of (`span_logprobs`): 64 rows
+# of a 152k vocabulary are 39 MB of float32 in one response.
+MAX_SPAN_POSITIONS = 64
 
 # Policy errors and link-hint errors are one kind: a request the engine cannot serve as asked.
 LinkHintError = PolicyError
@@ -85,6 +92,9 @@ class LinkRequest:
     report_attention: bool = False  # return the question's attention over every prompt position
     # Families that reuse chunks: tokens the last chunk is stored with after it (module docstring).
     tail: tuple[int, ...] = ()
+    # Return the next token's full-vocabulary log-probabilities after each of the prompt's last
+    # this many positions (0: none).
+    report_span: int = 0
 
     @classmethod
     def of(cls, policy: Union[str, Policy], chunks, sink_token: Optional[int] = None,
@@ -182,6 +192,14 @@ class LinkRequest:
             raise LinkHintError(f"a tail is at most {MAX_TAIL_TOKENS} tokens, got {len(self.tail)}")
         if any(not 0 <= token < MAX_TOKEN_ID for token in self.tail):
             raise LinkHintError(f"a tail holds token ids (0 <= id < {MAX_TOKEN_ID}), got {list(self.tail)}")
+        if not 0 <= self.report_span <= MAX_SPAN_POSITIONS:
+            raise LinkHintError(f"span_logprobs is 1 to {MAX_SPAN_POSITIONS} positions, got {self.report_span}")
+        # The reported positions are computed in this request's extend, after every chunk: asking
+        # for them never cuts a graft.
+        after_chunks = prompt_len - (self.chunks[-1][1] if self.chunks else 0)
+        if self.report_span > after_chunks:
+            raise LinkHintError(f"span_logprobs covers positions after the last chunk: at most {after_chunks} "
+                                f"here, got {self.report_span}")
 
 
 def _field(obj: Any, name: str) -> Any:
@@ -250,6 +268,7 @@ def _link_of_payload(payload: dict) -> LinkRequest:
         flags[field] = payload.get(field, False)
         if not isinstance(flags[field], bool):
             raise LinkHintError(f"{field} must be true or false, got {flags[field]!r}")
+    span = _whole(payload.get("span_logprobs", 0), "span_logprobs")
     tail = payload.get("tail", [])
     if not isinstance(tail, (list, tuple)):
         raise LinkHintError(f"{LINK_ACTION} tail must be a list of token ids, got {tail!r}")
@@ -258,7 +277,7 @@ def _link_of_payload(payload: dict) -> LinkRequest:
         layout=layout, sink_token=None if sink is None else _whole(sink, "sink_token"),
         refuse_on_miss=on_miss == ON_MISS_REFUSE, report_first_token=flags["first_token_logprobs"],
         recompute=_spans(payload.get("recompute", []), "recompute"), report_attention=flags["context_attention"],
-        tail=tuple(_whole(token, "tail") for token in tail[:MAX_TAIL_TOKENS + 1]),
+        tail=tuple(_whole(token, "tail") for token in tail[:MAX_TAIL_TOKENS + 1]), report_span=span,
     )
 
 
@@ -305,9 +324,10 @@ def _envelope(action_type: str, payload: dict) -> dict:
 
 
 def link_hints(policy: str, chunks: list[tuple[int, int]], report_first_token: bool = False,
-               tail: tuple[int, ...] = ()) -> dict:
+               tail: tuple[int, ...] = (), report_span: int = 0) -> dict:
     """Hints for a prompt in its original order; `policy` is a policy name ('legolink:K')."""
-    link = dataclasses.replace(LinkRequest.of(policy, chunks, tail=tail), report_first_token=report_first_token)
+    link = dataclasses.replace(LinkRequest.of(policy, chunks, tail=tail), report_first_token=report_first_token,
+                               report_span=report_span)
     return hints_of(link)
 
 
@@ -331,6 +351,8 @@ def hints_of(link: LinkRequest) -> dict:
         payload["first_token_logprobs"] = True
     if link.tail:
         payload["tail"] = list(link.tail)
+    if link.report_span:
+        payload["span_logprobs"] = link.report_span
     return _envelope(LINK_ACTION, payload)
 
 

@@ -9,7 +9,8 @@ SGLang calls `register` early in its main, scheduler and detokenizer processes. 
   (sglang_patches.attention.flashinfer);
 * a hook that adds each request's chunk-cache accounting to ``meta_info`` (sglang_patches.steps.meta_info);
 * a hook that keeps the first answer token's full-vocabulary log-probabilities for links that
-  ask (sglang_patches.steps.first_token_report);
+  ask (sglang_patches.steps.first_token_report), and one on the logits processor that computes the
+  distributions after a link's last K positions when it asks (sglang_patches.steps.span_report);
 * hooks that annotate each extend batch from its requests' link plans (true positions of reordered
   LegoLink prompts, sglang_patches.steps.positions; CacheBlend's cached KV, sglang_patches.steps.cacheblend),
   end their chunk leases, and keep the annotations on the eager runner's copy of the batch
@@ -140,7 +141,7 @@ def register() -> None:
     from sglang_patches.attention import flashinfer as flashinfer_attention, native as attention
     from sglang_patches.cpu import lean_decode, rotary
     from sglang_patches.guard import request_guard
-    from sglang_patches.steps import batch_annotations, cacheblend, first_token_report, meta_info
+    from sglang_patches.steps import batch_annotations, cacheblend, first_token_report, meta_info, span_report
     from sglang_patches.tree import link_admission
 
     if get_radix_cache_factory(RADIX_CACHE_BACKEND) is None:
@@ -149,6 +150,7 @@ def register() -> None:
     flashinfer_attention.register()
     meta_info.register()
     first_token_report.register()
+    span_report.register()
     cacheblend.register()
     batch_annotations.register()
     request_guard.register()

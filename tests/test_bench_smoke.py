@@ -158,15 +158,20 @@ def test_bench_quality_smoke(picrag_server, shared_qa: Path, tmp_path: Path):
 def test_teacher_forcing_predicts_fulls_own_greedy_answer(picrag_server, layout, shared_qa: Path):
     import httpx
 
-    from rag_server.bench.common import forced_logprobs, measure
+    from picrag_core.engine_report import exact_kl
+    from rag_server.bench.common import measure, span_logprobs
 
     row = read_rows(shared_qa / "hotpotqa.dev.jsonl", 1, 2)[0]
     prompt = layout.build(row.question, row.passages)
     with httpx.Client(base_url=picrag_server.url, timeout=600) as client:
         answer = measure(client, prompt, "full", 4, first_token_distribution=True).output_ids
-        assert 0 < len(answer) <= 4
-        for j in range(1, len(answer)):
-            assert int(forced_logprobs(client, prompt, "full", answer[:j]).argmax()) == answer[j], j
+        assert 1 < len(answer) <= 4
+        rows = span_logprobs(client, prompt, "full", answer)
+        # Through the frontend, a selecting link forced on the answer selects from the question alone.
+        selected = span_logprobs(client, prompt, "select:0.15,2", answer)
+        unforced = measure(client, prompt, "select:0.15,2", 1, first_token_distribution=True).first_logprobs
+    assert [int(r.argmax()) for r in rows] == list(answer)
+    assert selected.shape == rows.shape and exact_kl(unforced, selected[0]) < 1e-5
 
 
 def test_bench_load_smoke(picrag_server, shared_qa: Path, tmp_path: Path):

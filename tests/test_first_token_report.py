@@ -102,3 +102,51 @@ def test_a_stream_carries_the_distribution_once_through_the_frontend(picrag_serv
     streamed = _distribution(events[-1])
     assert exact_kl(_distribution(whole), streamed) < 1e-6
     assert all(len(json.dumps(event)) < 10_000 for event in events[:-1])
+
+
+def test_a_span_report_travels_in_the_link_hints_and_stays_after_the_chunks():
+    hints = link_hints("naive", [(2, 5)], report_span=4)
+    link = parse_link_request(hints)
+    assert link.report_span == 4 and parse_link_request(hints_of(link)) == link
+    link.validate(9)  # positions 5..8: after the last chunk
+    with pytest.raises(LinkHintError, match="after the last chunk: at most 3"):
+        link.validate(8)
+    for bad, reason in ((True, "whole number"), (65, "1 to 64"), (-1, "1 to 64")):
+        hints["actions"][0]["payload"]["span_logprobs"] = bad
+        with pytest.raises(LinkHintError, match=reason):
+            parse_link_request(hints).validate(100)
+
+
+def _span_body(input_ids: list[int], prompt, policy: str, span: int) -> dict:
+    return {"input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": 1},
+            "kv_hints": link_hints(policy, list(prompt.chunks), report_first_token=span == 0, report_span=span)}
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("policy", ["full", "naive", "legolink:2", "cacheblend:0.3", "cacherepair"])
+def test_each_reported_position_is_the_distribution_a_request_ending_there_gets(picrag_server, layout, musique,
+                                                                                policy):
+    """Teacher forcing in one request: after the prompt and an answer's first j tokens, the span's
+    row j is the first-token distribution of the prompt followed by those j tokens, under the same
+    policy; sent twice (the second finds its prompt in the tree), it reports the same rows."""
+    row = musique[72]
+    prompt = layout.build(row["question"], passages_of(row, [2, 0]))
+    positions = 4
+    with picrag_server.client() as client:
+        answer = client.post("/generate", json={**_span_body(prompt.input_ids, prompt, "full", 0),
+                                                "sampling_params": {"temperature": 0, "max_new_tokens": 3}}).json()
+        forced = list(prompt.input_ids) + answer["output_ids"][: positions - 1]
+        assert len(forced) == len(prompt.input_ids) + positions - 1
+        spans = []
+        for _ in range(2):
+            out = client.post("/generate", json=_span_body(forced, prompt, policy, positions)).json()
+            spans.append(EngineReport.of(out["meta_info"]).span_rows(positions))
+        singles = [_distribution(client.post("/generate", json=_span_body(forced[: len(prompt.input_ids) + j],
+                                                                          prompt, policy, 0)).json())
+                   for j in range(positions)]
+    for rows in spans:
+        assert rows.shape == (positions, len(singles[0]))
+        for j in range(positions):
+            assert exact_kl(singles[j], rows[j]) < 1e-5, (policy, j)
+    if policy == "full":  # full's span follows its own greedy answer
+        assert [int(np.argmax(r)) for r in spans[0][:3]] == answer["output_ids"][:3]

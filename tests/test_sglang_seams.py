@@ -12,7 +12,7 @@ import torch
 from sglang_patches import plugin
 from sglang_patches.cpu import lean_decode, rotary
 from sglang_patches.guard import request_guard
-from sglang_patches.steps import first_token_report, meta_info
+from sglang_patches.steps import first_token_report, meta_info, span_report
 from sglang_patches.tree import link_admission
 
 
@@ -35,6 +35,14 @@ def test_hooked_method_signature():
     # Every generation forward's results pass here, the logits row of each request still held.
     assert list(inspect.signature(resolve(first_token_report.HOOK_TARGET)).parameters) == [
         "self", "batch_result", "batch"]
+    # Every model's logits pass here with the batch's final hidden states, and the LM head the
+    # span report applies to some of their rows (its own buffer left alone).
+    assert list(inspect.signature(resolve(span_report.HOOK_TARGET)).parameters)[:5] == [
+        "self", "input_ids", "hidden_states", "lm_head", "logits_metadata"]
+    from sglang.srt.layers.logits_processor import LogitsProcessor
+
+    assert list(inspect.signature(LogitsProcessor._get_logits).parameters) == [
+        "self", "hidden_states", "lm_head", "logits_metadata", "embedding_bias", "use_logits_buffer"]
 
 
 def test_the_rotary_picrag_wraps_and_the_dispatch_that_reaches_it_on_cpu():

@@ -214,12 +214,26 @@ def measure(client: httpx.Client, prompt: CompiledPrompt, policy: str | None, ma
     return Measured(text=text, ttft_s=ttft, report=report, first_logprobs=first_logprobs, output_ids=output_ids)
 
 
-def forced_logprobs(client: httpx.Client, prompt: CompiledPrompt, policy: str, answer_ids: Sequence[int]) -> np.ndarray:
-    """The next token's log-probabilities over the whole vocabulary after `prompt` linked under
-    `policy` and then `answer_ids` (teacher forcing: the answer's tokens join the question's extend;
-    the chunk spans stand where they were)."""
-    forced = CompiledPrompt(prompt.input_ids + list(answer_ids), prompt.chunks, prompt.tail)
-    return measure(client, forced, policy, 1, first_token_distribution=True).first_logprobs
+def span_logprobs(client: httpx.Client, prompt: CompiledPrompt, policy: str, answer_ids: Sequence[int]) -> np.ndarray:
+    """Teacher forcing in one request: `prompt` linked under `policy`, followed by `answer_ids`
+    but its last token; row j of the result is the next token's log-probabilities over the whole
+    vocabulary after the prompt and answer_ids[:j] (sglang_patches.steps.span_report)."""
+    positions = max(1, len(answer_ids))
+    body = {
+        "input_ids": prompt.input_ids + list(answer_ids[:positions - 1]),
+        "sampling_params": {"temperature": 0, "max_new_tokens": 1},
+        "kv_hints": link_hints(policy, list(prompt.chunks), tail=prompt.tail, report_span=positions),
+    }
+    response = client.post("/generate", json=body)
+    if response.status_code != 200:
+        raise BenchError(f"/generate ({policy}, answer span) answered {response.status_code}: {response.text[:300]!r}")
+    try:
+        rows = EngineReport.of(response.json().get("meta_info")).span_rows(positions)
+    except ValueError as exc:
+        raise BenchError(f"/generate ({policy}, answer span): {exc}") from exc
+    if rows is None:
+        raise BenchError(f"/generate ({policy}) sent no answer-span distributions")
+    return rows
 
 
 def warm_chunks(client: httpx.Client, layout: PromptLayout, prompt: CompiledPrompt, policy: str) -> None:

@@ -13,9 +13,11 @@ first answer token's log-probabilities (sglang_patches.steps.first_token_report)
 computed from the two distributions.
 
 Answer-span KL to `full`: the same KL at each of the first `--answer-span` positions of `full`'s
-greedy answer, every policy teacher-forced on it (the prompt linked as the policy links it, then
-`full`'s first j answer tokens, asking for the next token's distribution), averaged over the
-positions. A first token that is mostly a style word ("The") is then one position of sixteen.
+greedy answer, every policy teacher-forced on it, averaged over the positions: one request per
+policy sends the prompt, linked as the policy links it, then `full`'s answer but its last token,
+and the engine reports the next token's distribution at each of those positions
+(sglang_patches.steps.span_report). A first token that is mostly a style word ("The") is then one
+position of sixteen.
 
 Comparisons are paired by question: every policy against `naive` (the reuse it corrects), the
 mean difference with its bootstrap 95% interval (rag_server/bench/paired.py).
@@ -49,9 +51,9 @@ from rag_server.bench.common import (
     fmt,
     load_layout,
     machine_description,
-    forced_logprobs,
     measure,
     model_path_of,
+    span_logprobs,
     parse_policies,
     read_rows,
     render_table,
@@ -125,11 +127,13 @@ class QuestionResult:
 
 
 def _question_result(row: QARow, policy: str, measured: Measured, reference: Measured,
-                     span: list[tuple[Any, Any]]) -> QuestionResult:
-    """`span`: (full's, the policy's) next-token log-probabilities at each forced answer position."""
+                     span: tuple[Any, Any]) -> QuestionResult:
+    """`span`: full's and the policy's next-token log-probabilities at each position of full's
+    answer, the policy teacher-forced on it ([positions, vocabulary] each)."""
     score = score_answer(measured.text, row.answers)
     kl = 0.0 if policy == REFERENCE else exact_kl(reference.first_logprobs, measured.first_logprobs)
-    span_kls = [kl] + [0.0 if policy == REFERENCE else exact_kl(full, own) for full, own in span]
+    full_rows, own_rows = span
+    span_kls = [0.0 if policy == REFERENCE else exact_kl(full, own) for full, own in zip(full_rows, own_rows)]
     return QuestionResult(
         id=row.id, policy=policy, answer=measured.text, em=score.em, f1=score.f1,
         agrees_with_full=measured.text.strip() == reference.text.strip(), first_token_kl=kl,
@@ -138,12 +142,6 @@ def _question_result(row: QARow, policy: str, measured: Measured, reference: Mea
         chunk_hits=measured.report.chunk_hits, chunk_misses=measured.report.chunk_misses,
         answer_span_kl=statistics.fmean(span_kls), answer_span_tokens=len(span_kls),
     )
-
-
-def _span_logprobs(client: httpx.Client, prompt, policy: str, answer_ids: tuple[int, ...]) -> list[Any]:
-    """The policy's next-token log-probabilities after each of `answer_ids`' proper prefixes
-    but the empty one (the first position is the measured request's own)."""
-    return [forced_logprobs(client, prompt, policy, answer_ids[:j]) for j in range(1, len(answer_ids))]
 
 
 def _mean(values: list[float]) -> float | None:
@@ -424,15 +422,15 @@ def run_quality(options: QualityOptions, progress: bool = True) -> dict[str, Any
                 prompt = prompts.build(row.question, row.passages)
                 reference = measure(client, prompt, REFERENCE, options.max_tokens, first_token_distribution=True)
                 answer_ids = reference.output_ids[:options.answer_span]
-                full_span = _span_logprobs(client, prompt, REFERENCE, answer_ids)
-                measured_rows = [_question_result(row, REFERENCE, reference, reference, list(zip(full_span, full_span)))]
+                full_span = span_logprobs(client, prompt, REFERENCE, answer_ids)
+                measured_rows = [_question_result(row, REFERENCE, reference, reference, (full_span, full_span))]
                 for policy in [p for p in runnable[1:] if p not in failed]:
                     try:
                         warm_chunks(client, layout, prompt, policy)
                         measured = measure(client, prompt, policy, options.max_tokens,
                                            first_token_distribution=True)
                         # After the measured request, so its TTFT never profits from these.
-                        span = list(zip(full_span, _span_logprobs(client, prompt, policy, answer_ids)))
+                        span = (full_span, span_logprobs(client, prompt, policy, answer_ids))
                     except BenchError as exc:
                         # One broken policy must not cost the others' run: report it instead.
                         run.fail(policy, f"failed on question {row.id}: {exc}")

@@ -234,7 +234,10 @@ class LinkPipeline:
         probe = dataclasses.replace(link.like(link.family.scored_as), report_attention=True)
         if (probe.family.reuses_chunks, probe.stored_chunk([])) != (link.family.reuses_chunks, link.stored_chunk([])):
             pieces = Pieces.of(input_ids, probe)  # the base policy stores its chunks otherwise
-        measured = await self._linked(input_ids, probe, pieces,
+        # A link teacher-forced on an answer (its last report_span - 1 tokens) selects from the
+        # question alone, as the request that generated that answer did.
+        forced = max(link.report_span - 1, 0)
+        measured = await self._linked(input_ids[:len(input_ids) - forced], probe, pieces,
                                       {"sampling_params": {"max_new_tokens": 0, "temperature": 0}}, headers, params)
         if measured.response.status_code != 200:
             raise GenerationError(f"measuring the question's attention failed: {measured.head[:300]!r}",

@@ -38,6 +38,22 @@ class AttentionReport:
 
 
 @dataclass
+class SpanReport:
+    """A link's reported positions (sglang_patches.steps.span_report): the next token's
+    log-probabilities after each, collected as the forward computes them, in position order."""
+
+    first_position: int  # the first reported prompt position (prompt length - K)
+    rows: list[torch.Tensor] = field(default_factory=list)  # [n, vocab] float32, on CPU
+
+    def encode(self) -> str:
+        import torch
+
+        from picrag_core.engine_report import encode_floats
+
+        return encode_floats(torch.cat(self.rows).numpy() if self.rows else [])
+
+
+@dataclass
 class LinkStats:
     """Per-request accounting, reported in meta_info and summed into the counters."""
 
@@ -56,6 +72,8 @@ class LinkStats:
     first_token_logprobs: Optional[str] = None
     # sglang_patches.steps.context_attention: the question's attention over the prompt, when asked for.
     context_attention: Optional[AttentionReport] = None
+    # sglang_patches.steps.span_report: the last positions' distributions, when asked for.
+    span: Optional[SpanReport] = None
 
     def as_meta(self) -> dict[str, int | str]:
         """The accounting in meta_info (picrag_core.engine_report, where it is read back)."""
@@ -146,6 +164,8 @@ def build_plan(prompt: list[int], link: LinkRequest, repair_digest: Optional[str
     if link.report_attention:
         # The question follows the last chunk in either order.
         stats.context_attention = AttentionReport(question_start=link.chunks[-1][1] if link.chunks else 0)
+    if link.report_span:
+        stats.span = SpanReport(first_position=len(prompt) - link.report_span)
     if link.compile:
         # The whole prompt is one chunk, filed under the store's key.
         return LinkPlan(link, tuple(prompt), (), (), None, store_key(prompt), None, False, stats)

@@ -5,7 +5,8 @@ An AFTER hook on `ForwardBatch.init_new` (the one place a batch's positions are 
 ForwardAnnotations (sglang_patches.steps.forward_annotations): the true positions of prompts sent
 reordered (sglang_patches.steps.positions) and CacheBlend's cached KV put in place
 (sglang_patches.steps.cacheblend), and where the question's attention is summed for links that ask
-(sglang_patches.steps.context_attention). The requests' grafts are done by then, so their chunk leases end
+(sglang_patches.steps.context_attention) and which positions' distributions are reported
+(sglang_patches.steps.span_report). The requests' grafts are done by then, so their chunk leases end
 here (sglang_patches.tree.chunk_cache). SGLang 0.5.23's eager runner then copies the batch into
 static buffers and runs the model on a *new* ForwardBatch made by `dataclasses.replace`, which
 keeps dataclass fields only: an AFTER hook on `EagerRunner.load_batch` carries the annotations
@@ -34,6 +35,9 @@ def annotate(forward_batch, _cls, batch, *_args, **_kwargs):
         true_positions=true_positions_of(forward_batch, plans), blend=prepare_blend(forward_batch, plans),
         attention={index: plan.stats.context_attention for index, plan in enumerate(plans)
                    if plan is not None and plan.stats.context_attention is not None},
+        # A re-prefill after a retraction (its output so far in the prompt) reports nothing again.
+        spans={index: plan.stats.span for index, (plan, req) in enumerate(zip(plans, batch.reqs))
+               if plan is not None and plan.stats.span is not None and not req.output_ids},
     )
     for plan in plans:
         if plan is not None:

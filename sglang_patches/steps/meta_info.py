@@ -3,8 +3,9 @@
 SGLang already ships a per-request dict of cache details from the scheduler to the HTTP
 server (``meta_info.cached_tokens_details``); an AFTER hook on the one method that builds it
 adds picrag's flat fields (`sglang_patches.plan.link_plan.LinkStats.as_meta`), and a link's
-first-token distribution (sglang_patches.steps.first_token_report) or its question's attention over
-the prompt (sglang_patches.steps.context_attention) when it asked for them: the schema and its
+first-token distribution (sglang_patches.steps.first_token_report), its question's attention over
+the prompt (sglang_patches.steps.context_attention) or its last positions' distributions
+(sglang_patches.steps.span_report) when it asked for them: the schema and its
 decoder are picrag_core.engine_report. tests/test_sglang_seams.py checks
 the signature of every function picrag hooks.
 """
@@ -19,7 +20,7 @@ HOOK_TARGET = (
 
 def add_link_stats(result, _streamer, req):
     from sglang_patches.steps.context_attention import encode as encode_attention
-    from picrag_core.engine_report import ATTENTION_KEY, FIRST_TOKEN_KEY
+    from picrag_core.engine_report import ATTENTION_KEY, FIRST_TOKEN_KEY, SPAN_KEY
     from sglang_patches.plan.link_plan import plan_of
 
     plan = plan_of(req)
@@ -38,6 +39,8 @@ def add_link_stats(result, _streamer, req):
         report = stats.context_attention
         if report is not None and report.sums is not None:
             meta[ATTENTION_KEY] = encode_attention(report, len(req.origin_input_ids), plan.order)
+        if stats.span is not None:
+            meta[SPAN_KEY] = stats.span.encode()
     return meta
 
 

@@ -210,10 +210,14 @@ class ChunkRadixCache(RadixCache):
         if plan is None:
             return super().match_prefix(dataclasses.replace(params, key=key))
         link, stats = plan.link, plan.stats
+        # Positions a link reports on are computed by it, none of them matched from the tree: the
+        # question's attention (measured as the question is computed) and the distributions after
+        # the last positions (a repeat of the same forced answer would otherwise match them).
         report = stats.context_attention
-        if report is not None and len(key) > report.question_start:
-            # The question's attention is measured as it is computed: none of it comes from the tree.
-            key = RadixKey(key.token_ids, key.extra_key, is_bigram=key.is_bigram, limit=report.question_start,
+        limits = [limit for limit in (None if report is None else report.question_start,
+                                      None if stats.span is None else stats.span.first_position) if limit is not None]
+        if limits and len(key) > min(limits):
+            key = RadixKey(key.token_ids, key.extra_key, is_bigram=key.is_bigram, limit=min(limits),
                            cache_salt=key.cache_salt)
         if not link.family.matches_tree:
             result = self._empty_match_result
