@@ -33,6 +33,7 @@ def test_generator_is_seeded_and_its_passages_collide(tokenizer):
     assert {r.policy for r in requests if r.route not in COMPILE_ROUTES} >= set(POLICIES)
     assert any(r.batch for r in requests) and any(r.client_layout for r in requests)
     assert any(r.logprobs.start_len is not None for r in requests) and any(r.extra_key for r in requests)
+    assert any(r.logprobs.span for r in requests if r.route not in COMPILE_ROUTES)
 
 
 def test_prompt_spans_are_back_to_back_after_the_head():

@@ -168,7 +168,7 @@ class Report:
         self.counts["route"][request.route] += 1
         self.counts["form"]["batch" if request.batch else "single"] += 1
         logprobs = request.logprobs
-        mode = ("full_first_token" if logprobs.full_first_token else "start_len" if logprobs.start_len is not None
+        mode = ("span" if logprobs.span else "full_first_token" if logprobs.full_first_token else "start_len" if logprobs.start_len is not None
                 else "top" if logprobs.top else "return_logprob" if logprobs.return_logprob else "none")
         self.counts["logprobs"][mode] += 1
         self.counts["extra_key"]["set" if request.extra_key else "none"] += 1

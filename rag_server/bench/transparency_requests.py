@@ -111,6 +111,7 @@ class Logprobs:
     start_len: Optional[int] = None  # logprob_start_len; None: SGLang's default
     top: int = 0  # top_logprobs_num
     full_first_token: bool = False  # the link field first_token_logprobs (whole vocabulary)
+    span: int = 0  # the link field span_logprobs: the last this many positions' distributions
 
 
 @dataclass(frozen=True)
@@ -312,7 +313,11 @@ class Generator:
             return Logprobs(return_logprob=True, start_len=0 if self.settings.start_len_zero else None)
         if policy == VANILLA:
             return Logprobs(return_logprob=True, top=5)
-        return Logprobs(return_logprob=rng.random() < 0.5, full_first_token=True)
+        # Half of these also ask for the last positions' distributions, whose tree match stops
+        # before them (all after the last chunk).
+        after_chunks = len(prompt.input_ids) - (prompt.spans[-1][1] if prompt.spans else 0)
+        span = rng.randint(1, min(8, after_chunks)) if rng.random() < 0.5 else 0
+        return Logprobs(return_logprob=rng.random() < 0.5, full_first_token=True, span=span)
 
     def _compile(self, route: str, family: Sequence[tuple[int, ...]]) -> Request:
         """Pieces anyone may compile: passages, their starts, heads, a passage behind sinks."""

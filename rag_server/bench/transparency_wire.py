@@ -96,7 +96,8 @@ class Wire:
 
     def _link(self, request: Request, prompt: Prompt) -> LinkRequest:
         link = LinkRequest.of(request.policy, prompt.spans, sink_token=self.bos)
-        return dataclasses.replace(link, report_first_token=request.logprobs.full_first_token)
+        return dataclasses.replace(link, report_first_token=request.logprobs.full_first_token,
+                                   report_span=request.logprobs.span)
 
     def generate_body(self, request: Request) -> dict[str, Any]:
         """The /generate body of a request of the GENERATE or ENGINE route."""
