@@ -509,12 +509,13 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.set_defaults(func=_model_prepare)
 
     from rag_server.bench import calibrate as bench_calibrate, discovery as bench_discovery, frontier as bench_frontier
-    from rag_server.bench import load as bench_load, quality as bench_quality
+    from rag_server.bench import load as bench_load, quality as bench_quality, quality_pool as bench_pool
     from rag_server.bench import transparency_cli as bench_transparency
 
     bench = commands.add_parser("bench", help="quality and load benchmarks of the link policies, auto's calibration, the KL-versus-speed-up plot, the cache-transparency fuzzer, and passages found in whole prompts")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="KIND")
     bench_quality.register(bench_commands)
+    bench_pool.register(bench_commands)
     bench_load.register(bench_commands)
     bench_calibrate.register(bench_commands)
     bench_frontier.register(bench_commands)

@@ -574,8 +574,8 @@ def register(commands) -> None:
                          "annotated layout)")
     quality.add_argument("--answer-span", type=int, default=DEFAULT_ANSWER_SPAN, metavar="N",
                          help="positions of full's greedy answer the answer-span KL averages, every policy "
-                         f"teacher-forced on it (default {DEFAULT_ANSWER_SPAN}; 1: the first token only, "
-                         "one request per policy and question)")
+                         f"teacher-forced on it in one request per policy and question (default "
+                         f"{DEFAULT_ANSWER_SPAN}; 1: the first token only)")
     quality.add_argument("--write-calibration", type=Path, default=None, metavar="FILE",
                          help="also write the `auto` policy's calibration table (mean KL per policy and "
                          "prompt size, policies by speed-up) for `picrag serve --calibration FILE`")
