@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from typing import Any, Optional
 
 from picrag_core.attention_backends import NATIVE_BACKEND
-from sglang_patches.tree.chunk_cache import ChunkRadixCache
+from sglang_patches.tree.chunk_cache import CacheCounters, ChunkRadixCache
 from sglang_patches.plan.link_plan import LinkPlan
 from sglang_patches.guard.request_guard import EngineSettings
 
@@ -26,7 +26,7 @@ def routed(hints: Any, prompt: list[int], *, repairer: Any = None, extra_key: Op
            sink: Optional[int] = BOS, backend: str = NATIVE_BACKEND, max_new_tokens: int = 8,
            **req_fields) -> tuple[Optional[LinkPlan], SimpleNamespace]:
     cache = object.__new__(ChunkRadixCache)
-    cache.repairer, cache.engine = repairer, EngineSettings(sink, backend)
+    cache.repairer, cache.engine, cache.counters = repairer, EngineSettings(sink, backend), CacheCounters()
     req = SimpleNamespace(rid="r", kv_hints=hints, origin_input_ids=array("q", prompt), extra_key=extra_key,
                           skip_radix_cache_insert=False,
                           sampling_params=SimpleNamespace(max_new_tokens=max_new_tokens), **req_fields)

@@ -64,7 +64,7 @@ def test_the_network_sees_every_chunk_even_one_k_covers_whole():
     segments = plan.segments
     prompt = tuple(range(100, 120))
     # The head, then every chunk in prompt order: the middle one (3 tokens, k = 4) has no rest.
-    assert [seg.chunk_tokens for seg in segments] == [prompt[:2]] + [prompt[s:e] for s, e in chunks]
+    assert [seg.stored.tokens for seg in segments] == [prompt[:2]] + [prompt[s:e] for s, e in chunks]
     assert [seg.recomputed_whole for seg in segments] == [False, False, True, False]
     assert [(seg.chunk_offset, seg.shift) for seg in segments[1:]] == [(4, 2), (3, 8), (4, 11)]
 

@@ -13,7 +13,8 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 from sglang_patches.tree.chunk_cache import CacheCounters, ChunkRadixCache
 from picrag_core.link_hints import MISS_REFUSAL, LinkRequest
-from sglang_patches.plan.link_plan import LinkStats, plan_of
+from picrag_core.chunk_key import StoredChunk
+from sglang_patches.plan.link_state import LinkState, LinkStats, state_of
 
 POOL = 1000
 
@@ -31,15 +32,15 @@ def fake_cache(stored: dict[str, int]):
 
     def plan_of_request(req):
         req.picrag_plan = SimpleNamespace(
-            stored_chunks=tuple(tuple([ord(name)] * stored.get(name, 50)) for name in req.chunks), link=req.link,
-            stats=LinkStats("naive"), end_lease=None)
-        req.picrag_plan.release_lease = lambda: (req.picrag_plan.end_lease or (lambda: None))()
+            stored_chunks=tuple(StoredChunk.of([ord(name)] * stored.get(name, 50)) for name in req.chunks),
+            link=req.link)
+        req.picrag_state = LinkState(LinkStats("naive"))
         return req.picrag_plan
 
     cache._plan_of = plan_of_request
 
-    def lookup_chunk(tokens):
-        name = chr(tokens[0])
+    def lookup_chunk(chunk):
+        name = chr(chunk.tokens[0])
         if name not in stored:
             return None
         held.append(name)
@@ -61,9 +62,9 @@ def test_a_lease_lasts_until_the_graft_is_done_or_the_request_goes():
     for req in (first, second, third):
         assert cache.lease_chunks(req) is None
     assert sorted(held) == ["a", "a", "b", "b"]
-    plan_of(first).release_lease()  # its first forward: grafted
+    state_of(first).release_lease()  # its first forward: grafted
     assert sorted(held) == ["a", "b"]
-    plan_of(first).release_lease()  # once only
+    state_of(first).release_lease()  # once only
     assert sorted(held) == ["a", "b"]
     cache.on_release(SimpleNamespace(rid="r2"), checkpointed=True)  # released before a forward (aborted)
     assert held == ["b"]

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from picrag_core.chunk_key import chunk_key
+from picrag_core.chunk_key import StoredChunk
 from sglang_patches.store.disk import CorruptChunkFile, DiskChunkStore
 from tests.chunk_requests import counters, generate, logprobs_of, passages_of, picrag_meta, wait_for_counter
 from tests.conftest import start_picrag_server, stop_picrag_server
 
-TOKENS = [5, 17, 4, 99, 23]
+TOKENS = StoredChunk.of([5, 17, 4, 99, 23])
 
 
 def kv(layers=3, tokens=len(TOKENS), seed=0):
@@ -32,13 +32,13 @@ def test_save_and_load_round_trip(tmp_path):
     store.save(TOKENS, keys, values)
     loaded_keys, loaded_values = store.load(TOKENS)
     assert torch.equal(loaded_keys, keys) and torch.equal(loaded_values, values)
-    assert store.load([1, 2, 3]) is None
+    assert store.load(StoredChunk.of([1, 2, 3])) is None
 
 
 def test_flipped_byte_is_caught(tmp_path):
     store = DiskChunkStore(tmp_path, "fp-a")
     store.save(TOKENS, *kv())
-    flip_byte(store.path_of(chunk_key(TOKENS)))
+    flip_byte(store.path_of(TOKENS.digest))
     with pytest.raises(CorruptChunkFile, match="checksum|unreadable"):
         store.load(TOKENS)
 
@@ -46,8 +46,8 @@ def test_flipped_byte_is_caught(tmp_path):
 def test_file_of_another_model_is_refused(tmp_path):
     DiskChunkStore(tmp_path, "fp-a").save(TOKENS, *kv())
     other = DiskChunkStore(tmp_path, "fp-b")
-    (other.directory / f"{chunk_key(TOKENS)}.safetensors").write_bytes(
-        (tmp_path / "fp-a" / f"{chunk_key(TOKENS)}.safetensors").read_bytes()
+    (other.directory / f"{TOKENS.digest}.safetensors").write_bytes(
+        (tmp_path / "fp-a" / f"{TOKENS.digest}.safetensors").read_bytes()
     )
     with pytest.raises(CorruptChunkFile, match="another model"):
         other.load(TOKENS)

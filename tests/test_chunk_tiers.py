@@ -16,7 +16,7 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 import pytest
 import torch
 
-from picrag_core.chunk_key import chunk_key
+from picrag_core.chunk_key import StoredChunk
 from rag_server.launch.mooncake_master import MooncakeMaster
 from rag_server.launch.ports import free_port
 from sglang_patches.tree.chunk_cache import CacheCounters, ChunkRadixCache
@@ -29,7 +29,7 @@ from sglang_patches.store.host_tier import HostChunkTier
 from sglang_patches.store.calls import StoreUnavailable, TimedLane
 from tests.test_disk_tier_faults import TOKENS, Pool, cache_with, kv, save_chunk
 
-IDENTITY = ChunkIdentity("fp-a", "tp0of1", chunk_key(TOKENS))
+IDENTITY = ChunkIdentity("fp-a", "tp0of1", TOKENS.digest)
 LAYOUT = KVLayout.of_pool(Pool())
 
 
@@ -55,7 +55,7 @@ def test_a_frame_round_trips_and_any_flipped_tensor_byte_is_caught():
 def test_a_frame_of_another_model_partition_chunk_or_shape_is_refused():
     keys, values = kv()
     for other in (ChunkIdentity("fp-b", "tp0of1", IDENTITY.chunk_key), ChunkIdentity("fp-a", "tp1of2", IDENTITY.chunk_key),
-                  ChunkIdentity("fp-a", "tp0of1", chunk_key([1, 2, 3]))):
+                  ChunkIdentity("fp-a", "tp0of1", StoredChunk.of([1, 2, 3]).digest)):
         with pytest.raises(CorruptChunkFile, match="another model, process or chunk"):
             decode_frame(frame_of(keys, values, other), IDENTITY, len(TOKENS), LAYOUT)
     bigger = KVLayout.of_pool(Pool(heads=4))
@@ -93,11 +93,11 @@ class CountingStore:
         self.loads = 0
         self.saves = 0
 
-    def load(self, token_ids, pool=None):
+    def load(self, chunk, pool=None):
         self.loads += 1
-        return self.chunks.get(chunk_key(token_ids))
+        return self.chunks.get(chunk.digest)
 
-    def save_in_background(self, token_ids, keys, values, counters):
+    def save_in_background(self, chunk, keys, values, counters):
         self.saves += 1
         return True
 
@@ -107,9 +107,9 @@ class CountingStore:
 
 def test_the_host_tier_serves_from_ram_before_the_store_and_keeps_its_bound():
     counters = CacheCounters()
-    chunks = {f"c{i}": [i, i + 1, i + 2, i + 3, i + 4] for i in range(3)}
+    chunks = {f"c{i}": StoredChunk.of([i, i + 1, i + 2, i + 3, i + 4]) for i in range(3)}
     size = sum(t.nbytes for t in kv())
-    store = CountingStore({chunk_key(chunks["c2"]): kv(seed=2)})
+    store = CountingStore({chunks["c2"].digest: kv(seed=2)})
     tier = HostChunkTier(store, max_bytes=2 * size, counters=counters)
     for seed, name in enumerate(("c0", "c1")):
         tier.save_in_background(chunks[name], *kv(seed=seed), counters)
@@ -264,8 +264,8 @@ def test_a_chunk_saved_by_one_engine_is_loaded_by_another_through_mooncake(moonc
 
 def test_a_corrupt_mooncake_value_is_a_counted_reject(mooncake):
     store = mooncake_store(mooncake.spec)
-    tokens = [9, 8, 7, 6, 5]
-    identity = ChunkIdentity("fp-a", "tp0of1", chunk_key(tokens))
+    tokens = StoredChunk.of([9, 8, 7, 6, 5])
+    identity = ChunkIdentity("fp-a", "tp0of1", tokens.digest)
     frame = frame_of(*kv(), identity=identity)
     frame[-1] ^= 0x40
     backend = store._backend

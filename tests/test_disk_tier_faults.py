@@ -24,13 +24,13 @@ from rag_server.bench.load import flush_when_idle
 from sglang_patches import plugin
 from sglang_patches.store import disk as disk_chunk_store
 from sglang_patches.tree.chunk_cache import CacheCounters, ChunkRadixCache
-from picrag_core.chunk_key import chunk_key
+from picrag_core.chunk_key import StoredChunk
 from picrag_core.chunk_store_spec import MAX_BYTES_ENV, STORE_DIR_ENV
 from sglang_patches.store.disk import DiskChunkStore
 from tests.chunk_requests import generate, logprobs_of, passages_of, wait_for_counter
 from tests.conftest import start_picrag_server, stop_picrag_server
 
-TOKENS = [5, 17, 4, 99, 23]
+TOKENS = StoredChunk.of([5, 17, 4, 99, 23])
 OTHER = [[7, 7, 1], [8, 2, 2, 9], [3, 1, 4, 1, 5]]
 
 
@@ -61,12 +61,12 @@ def cache_with(store: DiskChunkStore, pool: Pool) -> SimpleNamespace:
 
     return SimpleNamespace(
         disk_store=store, kv_pool=pool, counters=CacheCounters(), _allocate=allocate,
-        _find_chunk=lambda token_ids: (None, torch.arange(len(token_ids))),
+        _find_chunk=lambda chunk: (None, torch.arange(len(chunk))),
     )
 
 
-def save_chunk(cache: SimpleNamespace, token_ids=TOKENS) -> None:
-    ChunkRadixCache._save_to_disk(cache, token_ids)
+def save_chunk(cache: SimpleNamespace, chunk=TOKENS) -> None:
+    ChunkRadixCache._save_to_disk(cache, chunk)
 
 
 def kv(layers=3, tokens=len(TOKENS), heads=2, head_dim=8, seed=0):
@@ -108,7 +108,7 @@ def test_a_full_disk_is_survived_counted_and_leaves_no_file(tiny_disk):
     save_chunk(cache, TOKENS)
     store.wait_for_writes()
     assert cache.counters.values["disk_saves"] == 1
-    assert store_files(store) == [f"{chunk_key(TOKENS)}.safetensors"]
+    assert store_files(store) == [f"{TOKENS.digest}.safetensors"]
 
 
 def test_a_safetensors_error_on_save_is_survived(tmp_path, monkeypatch):
@@ -169,7 +169,7 @@ def test_saves_beyond_the_queue_bound_are_dropped_and_counted(tmp_path, slow_dis
     one_save = 2 * 3 * len(TOKENS) * 2 * 8 * 4  # keys and values: layers x tokens x heads x dim x fp32
     store._writer.max_pending_bytes = one_save + one_save // 2
     for i in range(4):
-        save_chunk(cache, [t + i for t in TOKENS])
+        save_chunk(cache, StoredChunk.of([t + i for t in TOKENS.tokens]))
     slow_disk.release.set()
     store.wait_for_writes()
     assert cache.counters.values == {"disk_saves": 1, "disk_saves_dropped": 3}
@@ -191,7 +191,7 @@ def test_a_file_is_fsynced_before_its_rename_and_the_directory_after(tmp_path, m
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
     store.save(TOKENS, *kv())
-    target = str(store.path_of(chunk_key(TOKENS)))
+    target = str(store.path_of(TOKENS.digest))
     temporary = f"{target}.tmp-{os.getpid()}"
     assert events == [("fsync", temporary), ("rename", temporary, target), ("fsync", str(store.directory))]
 
@@ -213,25 +213,25 @@ def test_the_least_recently_used_file_is_evicted_and_a_load_is_a_use(tmp_path):
     probe.save(TOKENS, *kv())
     size = probe.stored_bytes
     store = DiskChunkStore(tmp_path, "fp-a", max_bytes=2 * size + size // 2)
-    a, b, c = ([t + 1 for t in TOKENS], [t + 2 for t in TOKENS], [t + 3 for t in TOKENS])
+    a, b, c = (StoredChunk.of([t + i for t in TOKENS.tokens]) for i in (1, 2, 3))
     assert store.save(a, *kv()) == 0 and store.save(b, *kv()) == 0
     assert store.load(a) is not None
     assert store.save(c, *kv()) == 1
-    assert store_files(store) == sorted(f"{chunk_key(t)}.safetensors" for t in (a, c))
+    assert store_files(store) == sorted(f"{t.digest}.safetensors" for t in (a, c))
     assert store.stored_bytes == 2 * size
 
 
 def test_the_use_order_and_a_lowered_bound_survive_a_restart(tmp_path):
     store = DiskChunkStore(tmp_path, "fp-a")
-    chunks = [[t + i for t in TOKENS] for i in range(3)]
+    chunks = [StoredChunk.of([t + i for t in TOKENS.tokens]) for i in range(3)]
     for age, tokens in zip((300, 200, 100), chunks):
         store.save(tokens, *kv())
         past = time.time() - age
-        os.utime(store.path_of(chunk_key(tokens)), (past, past))
+        os.utime(store.path_of(tokens.digest), (past, past))
     size = store.stored_bytes // 3
     assert DiskChunkStore(tmp_path, "fp-a").load(chunks[0]) is not None  # the oldest, now the newest
     smaller = DiskChunkStore(tmp_path, "fp-a", max_bytes=2 * size + size // 2)
-    assert store_files(smaller) == sorted(f"{chunk_key(t)}.safetensors" for t in (chunks[0], chunks[2]))
+    assert store_files(smaller) == sorted(f"{t.digest}.safetensors" for t in (chunks[0], chunks[2]))
 
 
 def test_the_default_bound_is_a_tenth_of_the_free_space_shared_by_the_processes(tmp_path, monkeypatch):
@@ -293,7 +293,7 @@ def test_a_file_copied_from_another_rank_is_rejected(tmp_path):
     rank0 = DiskChunkStore(tmp_path, "fp-a", "tp0of2-pp0of1-kvx")
     rank1 = DiskChunkStore(tmp_path, "fp-a", "tp1of2-pp0of1-kvx")
     rank0.save(TOKENS, *kv())
-    rank1.path_of(chunk_key(TOKENS)).write_bytes(rank0.path_of(chunk_key(TOKENS)).read_bytes())
+    rank1.path_of(TOKENS.digest).write_bytes(rank0.path_of(TOKENS.digest).read_bytes())
     with pytest.raises(disk_chunk_store.CorruptChunkFile, match="another model, process or chunk"):
         rank1.load(TOKENS)
 

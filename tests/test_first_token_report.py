@@ -43,13 +43,15 @@ def test_the_distribution_goes_with_the_finished_output_only():
     from types import SimpleNamespace
 
     from picrag_core.engine_report import FIRST_TOKEN_KEY
-    from sglang_patches.plan.link_plan import PLAN_ATTR, LinkStats
+    from sglang_patches.plan.link_plan import PLAN_ATTR
+    from sglang_patches.plan.link_state import STATE_ATTR, LinkState, LinkStats
     from sglang_patches.steps.meta_info import add_link_stats
 
-    plan = SimpleNamespace(stats=LinkStats("naive", first_token_logprobs="encoded"), answered=lambda: None, order=None)
+    attached = {PLAN_ATTR: SimpleNamespace(order=None),
+                STATE_ATTR: LinkState(LinkStats("naive", first_token_logprobs="encoded"))}
     for stream in (True, False):
-        running = SimpleNamespace(stream=stream, finished=lambda: False, **{PLAN_ATTR: plan})
-        done = SimpleNamespace(stream=stream, finished=lambda: True, **{PLAN_ATTR: plan})
+        running = SimpleNamespace(stream=stream, finished=lambda: False, **attached)
+        done = SimpleNamespace(stream=stream, finished=lambda: True, **attached)
         assert FIRST_TOKEN_KEY not in add_link_stats(None, None, running)
         assert add_link_stats(None, None, done)[FIRST_TOKEN_KEY] == "encoded"
 

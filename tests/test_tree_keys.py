@@ -17,6 +17,7 @@ from array import array
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from picrag_core.chunk_key import StoredChunk
 from picrag_core.link_hints import LinkRequest, runtime_request
 from sglang_patches.plan.link_plan import LinkPlan, build_plan
 from picrag_core.reordered_layout import merge_runs
@@ -43,7 +44,7 @@ def admitted_plan(prompt: list[int], policy: str, chunks: list[tuple[int, int]],
     """The plan the engine builds for `prompt` linked as the frontend sends it."""
     ids, hints = runtime_request(prompt, linked(policy, chunks, recompute, tail))
     link = admitted_link(hints, RequestShape(len(ids), 8, False), ENGINE)
-    return build_plan(ids, link, repair_digest if link.family.repairs else None)
+    return build_plan(ids, link, repair_digest if link.family.repairs else None)[0]
 
 
 def slot_dependencies(prompt: list[int], policy: str, chunks: list[tuple[int, int]],
@@ -179,9 +180,10 @@ def test_stored_chunks_share_no_nodes_not_even_a_common_start():
     starts alike does not read the other's KV for the common part."""
     chunk = list(range(20, 60))
     other = chunk[:39] + list(range(100, 120))
-    assert store_key(chunk)[1:] == array("q", chunk[1:]) and store_key(chunk)[0] >= SEGMENT_START
-    assert store_key(chunk)[0] != store_key(other)[0]
-    assert store_key(chunk) == store_key(list(chunk))
+    key, other_key = store_key(StoredChunk.of(chunk)), store_key(StoredChunk.of(other))
+    assert key[1:] == array("q", chunk[1:]) and key[0] >= SEGMENT_START
+    assert key[0] != other_key[0]
+    assert key == store_key(StoredChunk.of(tuple(chunk)))
 
 
 def test_a_repaired_chunk_after_one_recomputed_whole_depends_on_it():

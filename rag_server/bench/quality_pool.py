@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rag_server.bench.common import BenchError, command_line, fmt
+from rag_server.bench.common import BenchError, command_line
 from rag_server.bench.paired import Estimate, by_question, mean_of, paired_difference, ratio_of_means
 from rag_server.bench.quality import PAIRED, REFERENCE, QuestionResult
 

@@ -12,7 +12,7 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from rag_server.linking.pipeline import LinkPipeline, Linked
 from rag_server.linking.policy_resolver import NamedPolicy, PolicyResolver, Served

@@ -25,7 +25,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_patches.attention.native import gather_kv
 from picrag_core.attention_backends import FLASHINFER_BACKEND
-from sglang_patches.plan.link_plan import AttentionReport
+from sglang_patches.plan.link_state import AttentionReport
 from sglang_patches.steps.context_attention import accumulate
 from sglang_patches.steps.forward_annotations import annotations_of
 from sglang_patches.attention.masks import position_mask

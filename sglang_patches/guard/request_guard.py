@@ -14,12 +14,12 @@ chunk cache is shared by every client. So the engine itself (not only the fronte
   token only the model's own; a tail only of the model's token ids; a family only where the attention backend can run it and the
   model allows it (picrag_core.model_support: sliding windows, latent attention, RoPE variants).
 
-Every form of `kv_hints` reaches the same check: SGLang splits a batch (one envelope for all
-prompts, or a list of one per prompt) and validates each prompt with its own envelope. The
-tokenizer manager refuses a request that fails it with a 400 (`register`: a hook on SGLang's
-per-request validation); the chunk cache, which sees every request that reaches the scheduler,
-serves a request whose picrag action it does not admit as a vanilla one
-(sglang_patches.tree.chunk_cache).
+Every form of `kv_hints` reaches the same check, once per request: SGLang splits a batch (one
+envelope for all prompts, or a list of one per prompt), and each prompt is admitted as the
+scheduler queues it (sglang_patches.tree.link_admission), which every request reaches, from the
+HTTP server or not; one the engine does not admit is refused there with SGLang's own abort and
+a 400. The tokenizer manager's per-request validation (`register`) holds the bounds that keep one
+request from stopping the engine (token ids, sampling fields: picrag_core.request_bounds).
 
 What an admitted link may still choose (its token order, spans, k, policy) changes only its own
 answer: the tree key of a linked prompt binds everything its cached KV depends on
@@ -30,7 +30,7 @@ as its own.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -123,40 +123,14 @@ def shape_of_req(req) -> RequestShape:
 
 # ---- the tokenizer manager's requests (GenerateReqInput, one prompt) -----------------------
 
-_INPUT_OTHER_INPUTS = ("input_embeds", "positional_embed_overrides", "image_data", "video_data", "audio_data",
-                       "session_params")
-
-
-def shape_of_input(obj, input_ids: list[int]) -> RequestShape:
-    sampling = getattr(obj, "sampling_params", None) or {}
-    return RequestShape(
-        prompt_len=len(input_ids),
-        max_new_tokens=sampling.get("max_new_tokens"),
-        namespaced=any(getattr(obj, name, None) for name in ("extra_key", "cache_salt", "lora_path", "lora_id")),
-        other_inputs=tuple(name for name in _INPUT_OTHER_INPUTS if getattr(obj, name, None) is not None),
-    )
-
-
-def _engine_settings(manager) -> EngineSettings:
-    """The tokenizer manager's view of the engine, built on its first linked request."""
-    engine = getattr(manager, "_picrag_engine", None)
-    if engine is None:
-        tokenizer = manager.tokenizer
-        engine = EngineSettings.of(None if tokenizer is None else tokenizer.bos_token_id,
-                                   manager.server_args.attention_backend, manager.model_config)
-        manager._picrag_engine = engine
-    return engine
-
-
 def check_request(manager, obj, input_ids, *args, **kwargs) -> None:
-    """BEFORE hook on TokenizerManager._validate_one_request: a ValueError is SGLang's 400."""
+    """BEFORE hook on TokenizerManager._validate_one_request: a ValueError is SGLang's 400. The
+    bounds that keep one request from stopping the engine; a picrag hint is admitted later, once,
+    where every request arrives (sglang_patches.tree.link_admission)."""
     contains_mm = getattr(obj, "contains_mm_input", None)
     if input_ids is not None and not (contains_mm and contains_mm()):
         # Multimodal prompts carry pad values above the vocabulary.
         check_token_ids(input_ids, manager.model_config.vocab_size)
-    kv_hints = getattr(obj, "kv_hints", None)
-    if kv_hints is not None:
-        admitted_link(kv_hints, shape_of_input(obj, input_ids or []), _engine_settings(manager))
     check_sampling(obj, input_ids)
 
 

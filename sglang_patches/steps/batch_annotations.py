@@ -24,6 +24,7 @@ HOOK_TARGET = "sglang.srt.model_executor.runner.eager_runner.EagerRunner.load_ba
 def annotate(forward_batch, _cls, batch, *_args, **_kwargs):
     from sglang_patches.steps.cacheblend import prepare_blend
     from sglang_patches.plan.link_plan import plan_of
+    from sglang_patches.plan.link_state import state_of
     from sglang_patches.steps.positions import true_positions_of
 
     if not forward_batch.forward_mode.is_extend() or forward_batch.extend_prefix_lens_cpu is None:
@@ -31,17 +32,17 @@ def annotate(forward_batch, _cls, batch, *_args, **_kwargs):
     plans = [plan_of(req) for req in batch.reqs]
     if not any(plans):
         return forward_batch
+    states = [state_of(req) for req in batch.reqs]
+    stats = {index: state.stats for index, state in enumerate(states) if state is not None}
     annotations = ForwardAnnotations(
-        true_positions=true_positions_of(forward_batch, plans), blend=prepare_blend(forward_batch, plans),
-        attention={index: plan.stats.context_attention for index, plan in enumerate(plans)
-                   if plan is not None and plan.stats.context_attention is not None},
+        true_positions=true_positions_of(forward_batch, plans), blend=prepare_blend(forward_batch, states),
+        attention={index: s.context_attention for index, s in stats.items() if s.context_attention is not None},
         # A re-prefill after a retraction (its output so far in the prompt) reports nothing again.
-        spans={index: plan.stats.span for index, (plan, req) in enumerate(zip(plans, batch.reqs))
-               if plan is not None and plan.stats.span is not None and not req.output_ids},
+        spans={index: s.span for index, s in stats.items() if s.span is not None and not batch.reqs[index].output_ids},
     )
-    for plan in plans:
-        if plan is not None:
-            plan.release_lease()
+    for state in states:
+        if state is not None:
+            state.release_lease()
     if annotations:
         setattr(forward_batch, ATTR, annotations)
     return forward_batch

@@ -31,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from sglang_patches.plan.segments import ChunkSpan
 from sglang_patches.steps.forward_annotations import annotations_of
 
 logger = logging.getLogger(__name__)
@@ -47,20 +48,13 @@ LAYER_HOOK_TARGETS = (
 )
 
 
-@dataclass(frozen=True)
-class BlendSource:
-    """A span of the prompt whose cached KV is the stored chunk `chunk_tokens`."""
-
-    start: int
-    end: int
-    chunk_tokens: tuple[int, ...]
-
-
 @dataclass
 class BlendPlan:
+    """One cacheblend request's blend, once its prefix is matched (it lives in the request's state)."""
+
     cache: object  # the ChunkRadixCache holding the chunks
     ratio: float
-    sources: list[BlendSource]
+    sources: list[ChunkSpan]  # the chunks after the matched prefix (sglang_patches.plan.link_plan.blend_sources)
     stats: object  # the request's LinkStats
 
 
@@ -100,14 +94,14 @@ def select_rows(deviation: torch.Tensor, candidates: torch.Tensor, length: int, 
 
 
 @torch.no_grad()
-def prepare_blend(forward_batch, plans: list) -> Optional[BlendState]:
-    """Put the cached KV of the batch's cacheblend requests in place (step 1); `plans`: the
-    requests' link plans (sglang_patches.plan.link_plan), in batch order."""
+def prepare_blend(forward_batch, states: list) -> Optional[BlendState]:
+    """Put the cached KV of the batch's cacheblend requests in place (step 1); `states`: the
+    requests' link states (sglang_patches.plan.link_state), in batch order."""
     requests = []
     kv_pool = None
     starts = forward_batch.extend_start_loc.tolist()
-    for index, link_plan in enumerate(plans):
-        plan: Optional[BlendPlan] = None if link_plan is None else link_plan.blend
+    for index, state in enumerate(states):
+        plan: Optional[BlendPlan] = None if state is None else state.blend
         if plan is None:
             continue
         kv_pool = plan.cache.kv_pool
@@ -125,7 +119,7 @@ def _place_cached_kv(plan: BlendPlan, prefix: int, length: int, extend_slots: to
     cache = plan.cache
     pool = cache.kv_pool
     rows, sources, deltas = [], [], []
-    with cache.held_chunks([source.chunk_tokens for source in plan.sources]) as held:
+    with cache.held_chunks([source.stored for source in plan.sources]) as held:
         for source, slots in zip(plan.sources, held):
             lo, hi = max(source.start, prefix), min(source.end, prefix + length - 1)  # last row: always computed
             if lo >= hi or slots is None:  # None: evicted since the match, its tokens simply computed
@@ -214,17 +208,12 @@ def _shrink_batch(forward_batch, kept: torch.Tensor, lengths: list[int], new_len
         ]
 
 
-def blend_plan(cache, req, link, prefix_len: int, stats) -> Optional[BlendPlan]:
-    """The chunks of a cacheblend request that follow its matched prefix."""
-    prompt = req.origin_input_ids
-    sources = [
-        BlendSource(start, end, tokens)
-        for (start, end), tokens in zip(link.chunks, link.stored_chunks(prompt))
-        if end > prefix_len
-    ]
+def blend_plan(cache, plan, prefix_len: int, stats) -> Optional[BlendPlan]:
+    """The chunks of a cacheblend request (its link plan, `plan`) that follow its matched prefix."""
+    sources = [source for source in plan.blend_sources if source.end > prefix_len]
     if not sources:
         return None
-    return BlendPlan(cache=cache, ratio=link.ratio, sources=sources, stats=stats)
+    return BlendPlan(cache=cache, ratio=plan.link.ratio, sources=sources, stats=stats)
 
 
 def register() -> None:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from picrag_core.engine_report import encode_floats
-from sglang_patches.plan.link_plan import AttentionReport
+from sglang_patches.plan.link_state import AttentionReport
 
 
 def accumulate(report: AttentionReport, query: torch.Tensor, key: torch.Tensor, scale: float,

@@ -20,6 +20,7 @@ HOOK_TARGET = "sglang.srt.managers.scheduler.Scheduler._copy_result_to_cpu"
 
 def capture(_result, _scheduler, batch_result, batch) -> None:
     from sglang_patches.plan.link_plan import plan_of
+    from sglang_patches.plan.link_state import state_of
 
     if not batch.forward_mode.is_extend() or batch_result.logits_output is None:
         return None
@@ -34,7 +35,7 @@ def capture(_result, _scheduler, batch_result, batch) -> None:
         # row sent is the last piece's, the first answer token's.
         if plan is None or not plan.link.report_first_token or req.output_ids:
             continue
-        plan.stats.first_token_logprobs = encode_floats(logits[row].float().log_softmax(-1).cpu().numpy())
+        state_of(req).stats.first_token_logprobs = encode_floats(logits[row].float().log_softmax(-1).cpu().numpy())
     return None
 
 

@@ -22,14 +22,15 @@ def add_link_stats(result, _streamer, req):
     from sglang_patches.steps.context_attention import encode as encode_attention
     from picrag_core.engine_report import ATTENTION_KEY, FIRST_TOKEN_KEY, SPAN_KEY
     from sglang_patches.plan.link_plan import plan_of
+    from sglang_patches.plan.link_state import state_of
 
-    plan = plan_of(req)
+    plan, state = plan_of(req), state_of(req)
     if plan is None:
         return result
-    stats = plan.stats
+    stats = state.stats
     meta = {**(result or {"device": 0, "host": 0}), **stats.as_meta()}
     if req.finished():
-        plan.answered()
+        state.answered()
         # A request's one-shot reports go with its finished output, built once and never folded
         # away: SGLang's HTTP side folds the outputs a slow reader has not taken yet into the
         # newest and keeps only that one's meta_info, so a stream's first event could lose them

@@ -9,6 +9,7 @@ positions for such requests only, when the batch is made (sglang_patches.steps.b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
@@ -16,9 +17,9 @@ import torch
 from sglang_patches.plan.link_plan import LinkPlan
 
 
-def true_positions(order: list[int], length: int) -> list[int]:
+def true_positions(order: Sequence[int], length: int) -> list[int]:
     # Output tokens (after a retraction, say) follow the prompt in both orders.
-    return order[:length] + list(range(len(order), length))
+    return list(order[:length]) + list(range(len(order), length))
 
 
 def true_positions_of(forward_batch, plans: list[Optional[LinkPlan]]) -> dict[int, torch.Tensor]:

@@ -34,7 +34,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as serialize_tensors
 
-from picrag_core.chunk_key import chunk_key
+from picrag_core.chunk_key import StoredChunk
 from sglang_patches.store.codec import CorruptChunkFile, KVLayout, check_layout, tensor_digest
 from sglang_patches.store.writer import ChunkStoreWriter
 
@@ -157,17 +157,17 @@ class DiskChunkStore:
             path.unlink(missing_ok=True)
         return len(victims)
 
-    def save(self, token_ids, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """Write the chunk `token_ids` (keys/values [layers, tokens, kv_heads, head_dim], on the
+    def save(self, chunk: StoredChunk, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """Write `chunk` (keys/values [layers, tokens, kv_heads, head_dim], on the
         host) and return how many files were evicted to stay within the bound. Raises on a failed
         write (OSError, SafetensorError), leaving no file of it behind."""
-        key = chunk_key(token_ids)
+        key = chunk.digest
         keys, values = keys.detach().cpu().contiguous(), values.detach().cpu().contiguous()
         metadata = {
             "fingerprint": self.fingerprint,
             "partition": self.partition,
             "chunk_key": key,
-            "tokens": str(len(token_ids)),
+            "tokens": str(len(chunk)),
             "sha256": tensor_digest(keys, values),
         }
         data = serialize_tensors({"k": keys, "v": values}, metadata=metadata)
@@ -181,11 +181,11 @@ class DiskChunkStore:
         _fsync_directory(self.directory)
         return self._evict_over_budget(key, len(data))
 
-    def save_in_background(self, token_ids, keys: torch.Tensor, values: torch.Tensor, counters) -> bool:
+    def save_in_background(self, chunk: StoredChunk, keys: torch.Tensor, values: torch.Tensor, counters) -> bool:
         """Queue a save and return at once; False, counted as ``disk_saves_dropped``, when the
         writer's queue is full. keys/values (host or device) must be copies the caller no longer
         writes, not views of the pool."""
-        return self._writer.submit(list(token_ids), keys, values, counters)
+        return self._writer.submit(chunk, keys, values, counters)
 
     def wait_for_writes(self) -> None:
         """Block until every queued save is done (tests, shutdown)."""
@@ -194,10 +194,10 @@ class DiskChunkStore:
     def clear(self) -> None:
         """A flush keeps the files: they are the store, shared with other engines."""
 
-    def load(self, token_ids, pool=None) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    def load(self, chunk: StoredChunk, pool=None) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """The chunk's (keys, values), or None if absent; a bad file, or one whose tensors do not
         fit `pool` (layers, KV heads, head dims, dtypes), raises CorruptChunkFile."""
-        key = chunk_key(token_ids)
+        key = chunk.digest
         path = self.path_of(key)
         try:
             # One read: an eviction racing this load cannot leave it half a file.
@@ -217,10 +217,10 @@ class DiskChunkStore:
                 or metadata.get("partition", "") != self.partition):
             raise CorruptChunkFile(f"{path}: written for another model, process or chunk")
         if keys is None or values is None or keys.dim() < 2 or keys.shape[:2] != values.shape[:2] \
-                or keys.shape[1] != len(token_ids):
+                or keys.shape[1] != len(chunk):
             raise CorruptChunkFile(f"{path}: tensors do not match the chunk")
         if pool is not None:
-            check_layout(path, keys, values, KVLayout.of_pool(pool), len(token_ids))
+            check_layout(path, keys, values, KVLayout.of_pool(pool), len(chunk))
         if metadata.get("sha256") != tensor_digest(keys, values):
             raise CorruptChunkFile(f"{path}: checksum mismatch")
         self._evict_over_budget(key, len(data))

@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 
-from picrag_core.chunk_key import chunk_key
+from picrag_core.chunk_key import StoredChunk
 from sglang_patches.store.codec import ChunkIdentity, CorruptChunkFile, KVLayout, decode_frame, encode_frame, frame_bytes
 from picrag_core.chunk_store_spec import MooncakeSpec
 from sglang_patches.store.writer import ChunkStoreWriter
@@ -120,8 +120,8 @@ class HiCacheChunkStore:
     def connected(self) -> bool:
         return self._connected.is_set()
 
-    def _identity(self, token_ids) -> ChunkIdentity:
-        return ChunkIdentity(self.fingerprint, self.partition, chunk_key(token_ids))
+    def _identity(self, chunk: StoredChunk) -> ChunkIdentity:
+        return ChunkIdentity(self.fingerprint, self.partition, chunk.digest)
 
     def storage_key(self, identity: ChunkIdentity) -> str:
         return f"picrag/{identity.fingerprint}/{identity.partition}/{identity.chunk_key}"
@@ -131,12 +131,12 @@ class HiCacheChunkStore:
             raise StoreUnavailable(f"chunk store {self.name}: not connected")
         return self._backend
 
-    def load(self, token_ids, pool) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    def load(self, chunk: StoredChunk, pool) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """The chunk's (keys, values) for `pool`, or None if the store has none; CorruptChunkFile
         for a value that is not this chunk's, StoreUnavailable when the store did not answer."""
         backend = self._backend_or_raise()
-        identity = self._identity(token_ids)
-        key, tokens, layout = self.storage_key(identity), len(token_ids), KVLayout.of_pool(pool)
+        identity = self._identity(chunk)
+        key, tokens, layout = self.storage_key(identity), len(chunk), KVLayout.of_pool(pool)
 
         def fetch() -> Optional[torch.Tensor]:
             if not backend.exists(key):
@@ -149,19 +149,19 @@ class HiCacheChunkStore:
 
         return self._reads.call(fetch)
 
-    def save(self, token_ids, keys: torch.Tensor, values: torch.Tensor) -> int:
+    def save(self, chunk: StoredChunk, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Store the chunk (a no-op when the store has it); raises when the store refused it or
         did not answer. Returns the evictions it caused: none the engine sees (the store evicts
         on its own)."""
         backend = self._backend_or_raise()
-        identity = self._identity(token_ids)
+        identity = self._identity(chunk)
         key = self.storage_key(identity)
 
         def put() -> None:
             if backend.exists(key):
                 return
             nbytes = frame_bytes(KVLayout(keys.shape[0], tuple(keys.shape[2:]), keys.dtype,
-                                          tuple(values.shape[2:]), values.dtype), len(token_ids))
+                                          tuple(values.shape[2:]), values.dtype), len(chunk))
             frame = self._staging["writes"].at_least(nbytes)
             encode_frame(identity, keys, values, frame)
             if not backend.set(key, target_location=frame.data_ptr(), target_sizes=nbytes):
@@ -170,8 +170,8 @@ class HiCacheChunkStore:
         self._writes.call(put)
         return 0
 
-    def save_in_background(self, token_ids, keys: torch.Tensor, values: torch.Tensor, counters) -> bool:
-        return self._writer.submit(list(token_ids), keys, values, counters)
+    def save_in_background(self, chunk: StoredChunk, keys: torch.Tensor, values: torch.Tensor, counters) -> bool:
+        return self._writer.submit(chunk, keys, values, counters)
 
     def wait_for_writes(self) -> None:
         self._writer.wait_idle()

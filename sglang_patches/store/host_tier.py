@@ -24,7 +24,7 @@ from typing import Optional, Protocol
 
 import torch
 
-from picrag_core.chunk_key import chunk_key
+from picrag_core.chunk_key import StoredChunk
 from sglang_patches.store.protocol import ChunkStore
 from sglang_patches.store.writer import on_host
 
@@ -78,20 +78,20 @@ class HostChunkTier:
             self._bytes -= victim.nbytes
             self.counters.add("host_evictions")
 
-    def save_in_background(self, token_ids, keys: torch.Tensor, values: torch.Tensor, counters) -> bool:
+    def save_in_background(self, chunk: StoredChunk, keys: torch.Tensor, values: torch.Tensor, counters) -> bool:
         """Keep a host copy and queue the store's save; keys/values are the caller's own copies."""
         (host_keys, host_values), ready = on_host(keys, values)
-        self._keep(chunk_key(token_ids), _HostCopy(host_keys, host_values, ready))
-        return self.store.save_in_background(token_ids, keys, values, counters)
+        self._keep(chunk.digest, _HostCopy(host_keys, host_values, ready))
+        return self.store.save_in_background(chunk, keys, values, counters)
 
-    def load(self, token_ids, pool=None) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        key = chunk_key(token_ids)
+    def load(self, chunk: StoredChunk, pool=None) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        key = chunk.digest
         copy = self._chunks.get(key)
         if copy is not None:
             self._chunks.move_to_end(key)
             self.counters.add("host_loads")
             return copy.tensors()
-        loaded = self.store.load(token_ids, pool)  # raises what the store raises: the caller counts it
+        loaded = self.store.load(chunk, pool)  # raises what the store raises: the caller counts it
         if loaded is not None:
             self.counters.add("store_loads")
             self._keep(key, _HostCopy(*loaded, None))

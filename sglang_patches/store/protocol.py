@@ -9,13 +9,15 @@ from typing import Optional, Protocol
 
 import torch
 
+from picrag_core.chunk_key import StoredChunk
+
 
 class ChunkStore(Protocol):
-    def load(self, token_ids, pool=None) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    def load(self, chunk: StoredChunk, pool=None) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """The chunk's (keys, values), or None if absent; CorruptChunkFile for a value that does
         not belong (another model, partition or chunk, a bad digest, a shape `pool` cannot hold)."""
 
-    def save_in_background(self, token_ids, keys: torch.Tensor, values: torch.Tensor, counters) -> bool:
+    def save_in_background(self, chunk: StoredChunk, keys: torch.Tensor, values: torch.Tensor, counters) -> bool:
         """Queue a save of copies the caller no longer writes; False when dropped."""
 
     def wait_for_writes(self) -> None:

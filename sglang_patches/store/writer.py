@@ -21,6 +21,8 @@ from typing import Optional, Protocol
 
 import torch
 
+from picrag_core.chunk_key import StoredChunk
+
 logger = logging.getLogger(__name__)
 
 # Host memory that queued saves may hold: a few chunks of a large model.
@@ -28,7 +30,7 @@ DEFAULT_MAX_PENDING_BYTES = 256 << 20
 
 
 class _Store(Protocol):
-    def save(self, token_ids, keys: torch.Tensor, values: torch.Tensor) -> int: ...
+    def save(self, chunk: StoredChunk, keys: torch.Tensor, values: torch.Tensor) -> int: ...
 
 
 class _Counters(Protocol):
@@ -37,7 +39,7 @@ class _Counters(Protocol):
 
 @dataclass
 class _Job:
-    token_ids: list[int]
+    chunk: StoredChunk
     keys: torch.Tensor
     values: torch.Tensor
     ready: Optional[torch.cuda.Event]  # set once the device-to-host copies are done
@@ -72,7 +74,7 @@ class ChunkStoreWriter:
         self._pending_lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
 
-    def submit(self, token_ids: list[int], keys: torch.Tensor, values: torch.Tensor, counters: _Counters) -> bool:
+    def submit(self, chunk: StoredChunk, keys: torch.Tensor, values: torch.Tensor, counters: _Counters) -> bool:
         """Queue a save; False if it was dropped. keys/values must be the caller's own copies
         (not views of the pool): the writer reads them later, while the pool changes."""
         nbytes = keys.nbytes + values.nbytes
@@ -93,7 +95,7 @@ class ChunkStoreWriter:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="picrag-chunk-writer", daemon=True)
             self._thread.start()
-        self._queue.put(_Job(token_ids, keys, values, ready, counters))
+        self._queue.put(_Job(chunk, keys, values, ready, counters))
         return True
 
     def wait_idle(self) -> None:
@@ -115,9 +117,9 @@ class ChunkStoreWriter:
         try:
             if job.ready is not None:
                 job.ready.synchronize()
-            evicted = self._store.save(job.token_ids, job.keys, job.values)
+            evicted = self._store.save(job.chunk, job.keys, job.values)
         except Exception as exc:  # a full disk raises SafetensorError or OSError; any failure only costs the file
-            logger.warning("could not persist chunk of %d tokens: %s: %s", len(job.token_ids), type(exc).__name__, exc)
+            logger.warning("could not persist chunk of %d tokens: %s: %s", len(job.chunk), type(exc).__name__, exc)
             job.counters.add("disk_write_failures")
             return
         job.counters.add("disk_saves")

@@ -67,11 +67,12 @@ from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sglang_patches.steps.cacheblend import blend_plan
-from picrag_core.chunk_key import chunk_key
 from sglang_patches.store.codec import CorruptChunkFile
 from sglang_patches.store.protocol import ChunkStore
 from picrag_core.link_hints import MISS_REFUSAL, LinkHintError
-from sglang_patches.plan.link_plan import PLAN_ATTR, LinkPlan, LinkStats, build_plan
+from picrag_core.chunk_key import StoredChunk
+from sglang_patches.plan.link_plan import PLAN_ATTR, LinkPlan, build_plan, plan_of
+from sglang_patches.plan.link_state import STATE_ATTR, LinkStats, state_of
 from sglang_patches.steps.kv_repair import RepairPart, RepairSpan, repair_spans
 from picrag_core.request_bounds import NAMESPACE_PREFIX, client_namespace
 from sglang_patches.guard.request_guard import EngineSettings, admitted_link, shape_of_req
@@ -159,21 +160,37 @@ class ChunkRadixCache(RadixCache):
 
     # ---- request routing -------------------------------------------------------------
 
-    def _plan_of(self, req) -> Optional[LinkPlan]:
-        """The request's link plan, built the first time the cache sees it (None: vanilla)."""
+    def admit(self, req) -> Optional[str]:
+        """Admit a request as the scheduler queues it, once (sglang_patches.tree.link_admission):
+        its plan and state are built and its stored chunks leased. Returns why it must be refused
+        with a 400 (a picrag hint the engine does not serve), or None."""
+        try:
+            self._plan_of(req, refuse=True)
+        except LinkHintError as exc:
+            self.counters.add("link_hint_refusals")
+            return f"kv_hints: {exc}"
+        return None
+
+    def _plan_of(self, req, refuse: bool = False) -> Optional[LinkPlan]:
+        """The request's link plan, built the first time the cache sees it (None: vanilla), with
+        its state. `refuse`: a hint the engine does not admit raises LinkHintError (at the
+        scheduler's intake, where the request is then refused); elsewhere, which only a request
+        that never passed the intake reaches, it is served as a vanilla one, never as asked."""
         if req is None:
             return None
         if hasattr(req, PLAN_ATTR):
-            return getattr(req, PLAN_ATTR)
+            return plan_of(req)
         shape = shape_of_req(req)
         # Runs before the request's first match or insert: from here on, a client's own
         # extra_key can never name one of picrag's namespaces.
         req.extra_key = client_namespace(req.extra_key)
+        if req.kv_hints is not None:
+            self.counters.add("admissions")
         try:
             link = admitted_link(req.kv_hints, shape, self.engine)
         except LinkHintError as exc:
-            # The tokenizer manager refuses these (sglang_patches.guard.request_guard); a request that
-            # reached the scheduler some other way is served as vanilla, never as asked.
+            if refuse:
+                raise
             logger.warning("request %s: ignoring picrag hint: %s", req.rid, exc)
             link = None
         if link is not None and link.family.repairs and self.repairer is None:
@@ -182,11 +199,11 @@ class ChunkRadixCache(RadixCache):
             logger.warning("request %s: %s without a repair checkpoint, serving it as %s",
                            req.rid, link.policy, link.family.unrepaired)
             link = dataclasses.replace(link, policy=link.family.unrepaired)
-        plan = None
+        plan = state = None
         if link is not None:
             digest = None if self.repairer is None else self.repairer.checkpoint_digest
-            plan = build_plan(list(req.origin_input_ids), link, digest)
-            plan.count = self._count
+            plan, state = build_plan(list(req.origin_input_ids), link, digest)
+            state.count = self._count
             if not link.family.inserts_into_tree:
                 # full stores nothing. A blended token's KV depends on the whole prompt (the
                 # deviation ranking), so it is no prefix to share; cacheblend's namespace only
@@ -197,6 +214,7 @@ class ChunkRadixCache(RadixCache):
             elif plan.namespace is not None:
                 req.extra_key = _with_namespace(plan.namespace, req.extra_key)
         setattr(req, PLAN_ATTR, plan)
+        setattr(req, STATE_ATTR, state)
         return plan
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
@@ -209,7 +227,8 @@ class ChunkRadixCache(RadixCache):
                            limit=key.limit, cache_salt=key.cache_salt)
         if plan is None:
             return super().match_prefix(dataclasses.replace(params, key=key))
-        link, stats = plan.link, plan.stats
+        state = state_of(req)
+        link, stats = plan.link, state.stats
         # Positions a link reports on are computed by it, none of them matched from the tree: the
         # question's attention (measured as the question is computed) and the distributions after
         # the last positions (a repeat of the same forced answer would otherwise match them).
@@ -223,11 +242,11 @@ class ChunkRadixCache(RadixCache):
             result = self._empty_match_result
         else:
             if link.compile and self.disk_store is not None and not self.disable:
-                found = self.lookup_chunk(req.origin_input_ids)
+                found = self.lookup_chunk(plan.compiled)
                 if found is not None:
                     self.unlock(found[2])
             if plan.segments and not self.disable:
-                self._graft_chunks(key, plan)
+                self._graft_chunks(key, plan, stats)
                 if stats.chunk_misses:
                     # Chunks it could not graft are computed as ordinary tokens, in context:
                     # that KV is not this policy's and must not serve a later request as if it
@@ -235,7 +254,7 @@ class ChunkRadixCache(RadixCache):
                     req.skip_radix_cache_insert = True
             result = super().match_prefix(dataclasses.replace(params, key=key))
             if link.family.blends_chunks and not self.disable:
-                plan.blend = blend_plan(self, req, link, result.device_prefix_len, stats)
+                state.blend = blend_plan(self, plan, result.device_prefix_len, stats)
         prompt_len = len(req.origin_input_ids)
         stats.reused_tokens = result.device_prefix_len
         stats.computed_tokens = prompt_len - result.device_prefix_len
@@ -248,7 +267,7 @@ class ChunkRadixCache(RadixCache):
     @staticmethod
     def _tree_tokens(req, token_ids):
         """The tree key's tokens for `token_ids` (a prefix of the request's prompt and output)."""
-        plan: Optional[LinkPlan] = getattr(req, PLAN_ATTR, None)
+        plan = plan_of(req)
         if plan is None or plan.tree_key is None:
             return token_ids
         return plan.tree_key[: len(token_ids)] + array("q", token_ids[len(plan.tree_key):])
@@ -269,15 +288,15 @@ class ChunkRadixCache(RadixCache):
         self._expire_leases()
         locks, digests, missing = [], [], 0
         new_tokens: dict[str, int] = {}  # chunks no lease holds yet: what this one adds to the pinned share
-        for tokens in plan.stored_chunks:
-            found = self.lookup_chunk(tokens)
+        for chunk in plan.stored_chunks:
+            found = self.lookup_chunk(chunk)
             if found is None:
                 missing += 1
                 continue
             locks.append(found[2])
-            digests.append(digest := chunk_key(tokens))
-            if digest not in self._leased:
-                new_tokens[digest] = len(tokens)
+            digests.append(chunk.digest)
+            if chunk.digest not in self._leased:
+                new_tokens[chunk.digest] = len(chunk)
         if (missing and plan.link.refuse_on_miss) or self.leased_tokens + sum(new_tokens.values()) > LEASE_POOL_SHARE * self.kv_pool.size:
             for lock in locks:
                 self.unlock(lock)
@@ -291,7 +310,7 @@ class ChunkRadixCache(RadixCache):
         self._leased.update(digests)
         self._leased_tokens.update(new_tokens)
         rid = req.rid
-        plan.end_lease = lambda: self._release_lease(rid)
+        state_of(req).end_lease = lambda: self._release_lease(rid)
         return None
 
     def _release_lease(self, rid: str) -> None:
@@ -325,19 +344,19 @@ class ChunkRadixCache(RadixCache):
 
     # ---- grafting --------------------------------------------------------------------
 
-    def _find_chunk(self, token_ids) -> Optional[tuple[TreeNode, torch.Tensor]]:
-        key = RadixKey(store_key(token_ids), CHUNK_NAMESPACE)
+    def _find_chunk(self, chunk: StoredChunk) -> Optional[tuple[TreeNode, torch.Tensor]]:
+        key = RadixKey(store_key(chunk), CHUNK_NAMESPACE)
         values, node = self._match_prefix_helper(self.root_node, key)
         if sum(len(v) for v in values) != len(key):
             return None
         return node, torch.cat(values)
 
     @contextmanager
-    def held_chunks(self, chunks: Sequence[Sequence[int]]) -> Iterator[list[Optional[torch.Tensor]]]:
+    def held_chunks(self, chunks: Sequence[StoredChunk]) -> Iterator[list[Optional[torch.Tensor]]]:
         """Each stored chunk's pool slots (None: not in the pool), held against eviction until
         the block ends. Nothing is reloaded or counted: the view CacheBlend reads its cached KV
         through, once per extend."""
-        found = [self._find_chunk(tokens) for tokens in chunks]
+        found = [self._find_chunk(chunk) for chunk in chunks]
         locks = [self.lock(node) for node, _ in filter(None, found)]
         try:
             yield [None if entry is None else entry[1] for entry in found]
@@ -345,14 +364,14 @@ class ChunkRadixCache(RadixCache):
             for lock in locks:
                 self.unlock(lock)
 
-    def lookup_chunk(self, token_ids):
+    def lookup_chunk(self, chunk: StoredChunk):
         """(node, slots, lock) of a compiled chunk, reloaded from disk if needed; None if absent.
 
         The node comes back locked so that later allocations (another reload, a graft) cannot
         evict it before its KV is used; the caller unlocks."""
-        found = self._find_chunk(token_ids)
+        found = self._find_chunk(chunk)
         if found is None and self.disk_store is not None:
-            found = self._load_from_disk(token_ids)
+            found = self._load_from_disk(chunk)
         if found is None:
             return None
         node, slots = found
@@ -366,12 +385,12 @@ class ChunkRadixCache(RadixCache):
         return None if slots is None else slots.to(torch.int64)
 
     @torch.no_grad()
-    def _load_from_disk(self, token_ids) -> Optional[tuple[TreeNode, torch.Tensor]]:
+    def _load_from_disk(self, chunk: StoredChunk) -> Optional[tuple[TreeNode, torch.Tensor]]:
         pool = self.kv_pool
         try:
             # Checked against the pool's layers, KV heads, head dims and dtypes: a file of
             # another shape is rejected, never copied into the pool.
-            loaded = self.disk_store.load(token_ids, pool)
+            loaded = self.disk_store.load(chunk, pool)
         except CorruptChunkFile as exc:
             logger.warning("ignoring persisted chunk: %s", exc)
             self.counters.add("disk_rejects")
@@ -385,25 +404,25 @@ class ChunkRadixCache(RadixCache):
             self.counters.add("disk_misses")
             return None
         keys, values = loaded
-        slots = self._allocate(len(token_ids))
+        slots = self._allocate(len(chunk))
         if slots is None:
             return None
         for index, layer_id in enumerate(range(pool.start_layer, pool.start_layer + pool.layer_num)):
             pool.get_key_buffer(layer_id)[slots] = keys[index].to(pool.get_key_buffer(layer_id).device)
             pool.get_value_buffer(layer_id)[slots] = values[index].to(pool.get_value_buffer(layer_id).device)
-        key = RadixKey(store_key(token_ids), CHUNK_NAMESPACE)
+        key = RadixKey(store_key(chunk), CHUNK_NAMESPACE)
         inserted = self.insert(InsertParams(key=key, value=slots))
         # A prefix shared with another cached chunk was already in the tree: its copy is spare.
         self.token_to_kv_pool_allocator.free(slots[: inserted.prefix_len])
         self.counters.add("disk_loads")
-        return self._find_chunk(token_ids)
+        return self._find_chunk(chunk)
 
     @torch.no_grad()
-    def _save_to_disk(self, token_ids) -> None:
+    def _save_to_disk(self, chunk: StoredChunk) -> None:
         """Hand a copy of the chunk's KV to the store's background writer. Runs on the
         scheduler's thread, so it never waits on the disk and never raises: a save it cannot
         queue is logged and counted as dropped (the chunk stays cached in memory)."""
-        found = self._find_chunk(token_ids)
+        found = self._find_chunk(chunk)
         if found is None:
             return
         _, slots = found
@@ -412,12 +431,12 @@ class ChunkRadixCache(RadixCache):
         try:
             keys = torch.stack([pool.get_key_buffer(layer)[slots] for layer in layers])
             values = torch.stack([pool.get_value_buffer(layer)[slots] for layer in layers])
-            self.disk_store.save_in_background(token_ids, keys, values, self.counters)
+            self.disk_store.save_in_background(chunk, keys, values, self.counters)
         except Exception as exc:
             logger.warning("could not queue chunk save: %s: %s", type(exc).__name__, exc)
             self.counters.add("disk_saves_dropped")
 
-    def _graft_chunks(self, key: RadixKey, plan: LinkPlan) -> None:
+    def _graft_chunks(self, key: RadixKey, plan: LinkPlan, stats: LinkStats) -> None:
         """Graft the plan's segments that follow the prompt's path in the tree, and count its
         chunks: hits (every run of it on the path or grafted), misses (not) and, of the misses,
         those cut by the request's own shape."""
@@ -425,7 +444,6 @@ class ChunkRadixCache(RadixCache):
         # SGLang's helper cannot look up an empty key (logprob_start_len 0): nothing matches.
         values, prefix_node = self._match_prefix_helper(self.root_node, key) if limit else ([], self.root_node)
         matched = sum(len(v) for v in values)
-        stats = plan.stats
         # Per chunk with something to graft: its runs not on the path, and those not grafted either.
         unmatched = Counter(seg.chunk for seg in plan.segments if seg.is_chunk and not seg.recomputed_whole)
         ungrafted = Counter(unmatched)
@@ -447,7 +465,7 @@ class ChunkRadixCache(RadixCache):
                     cut = True
                     break
                 if (not on_path or plan.repairs and seg.is_chunk) and seg.chunk not in stored:
-                    found = self.lookup_chunk(seg.chunk_tokens)
+                    found = self.lookup_chunk(seg.stored)
                     if found is None:
                         # Not stored: it is computed, and so is what follows (the repair network
                         # could not see it, so what follows cannot get the KV the policy defines).
@@ -455,7 +473,7 @@ class ChunkRadixCache(RadixCache):
                     locks.append(found[2])
                     stored[seg.chunk] = found[1]
                     if plan.repairs and seg.is_chunk:
-                        network_spans[seg.chunk] = RepairSpan(found[1], list(seg.chunk_tokens), seg.shift)
+                        network_spans[seg.chunk] = RepairSpan(found[1], list(seg.stored.tokens), seg.shift)
                 if on_path:
                     if seg.is_chunk and not seg.recomputed_whole:
                         unmatched[seg.chunk] -= 1
@@ -538,13 +556,13 @@ class ChunkRadixCache(RadixCache):
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
         self._release_lease(req.rid)
-        plan: Optional[LinkPlan] = getattr(req, PLAN_ATTR, None)
+        plan, state = plan_of(req), state_of(req)
         if plan is None:
             return
-        stats = plan.stats
-        if stats.policy == "compile" and stats.chunk_misses and checkpointed and self.disk_store is not None:
-            self._save_to_disk(req.origin_input_ids)
-        plan.answered()  # counted here if no output was built for it (an abort)
+        stats = state.stats
+        if plan.compiled is not None and stats.chunk_misses and checkpointed and self.disk_store is not None:
+            self._save_to_disk(plan.compiled)
+        state.answered()  # counted here if no output was built for it (an abort)
 
     def _count(self, stats: LinkStats) -> None:
         prefix = "compile_" if stats.policy == "compile" else ""

@@ -32,6 +32,9 @@ COUNTER_NAMES = {
     "host_evictions": "chunks dropped from the host-memory tier, least recently used first, to keep its bound",
     "store_loads": "chunks reloaded from the chunk store (file or Mooncake) past the host tier",
     "store_failures": "chunk lookups the store did not answer (down, slow past the timeout, not connected): computed",
+    "chunk_digests": "chunk content keys computed by the engine (one per chunk a request names, on admission)",
+    "admissions": "requests carrying kv_hints whose picrag action the engine admitted or refused (once each)",
+    "link_hint_refusals": "requests refused at the scheduler's intake: a picrag hint the engine does not admit",
 }
 
 
@@ -51,4 +54,8 @@ class PrometheusCounters(CacheCounters):
 
 
 def prometheus_counters() -> CacheCounters:
-    return PrometheusCounters()
+    from picrag_core.chunk_key import on_digest
+
+    counters = PrometheusCounters()
+    on_digest(lambda: counters.add("chunk_digests"))
+    return counters
