@@ -510,6 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from rag_server.bench import calibrate as bench_calibrate, discovery as bench_discovery, frontier as bench_frontier
     from rag_server.bench import load as bench_load, quality as bench_quality, quality_pool as bench_pool
+    from rag_server.bench import soak as bench_soak, steady as bench_steady
     from rag_server.bench import transparency_cli as bench_transparency
 
     bench = commands.add_parser("bench", help="quality and load benchmarks of the link policies, auto's calibration, the KL-versus-speed-up plot, the cache-transparency fuzzer, and passages found in whole prompts")
@@ -517,6 +518,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_quality.register(bench_commands)
     bench_pool.register(bench_commands)
     bench_load.register(bench_commands)
+    bench_steady.register(bench_commands)
+    bench_soak.register(bench_commands)
     bench_calibrate.register(bench_commands)
     bench_frontier.register(bench_commands)
     bench_transparency.register(bench_commands)

@@ -99,7 +99,7 @@ def tiny_disk(tmp_path) -> Path:
 def test_a_full_disk_is_survived_counted_and_leaves_no_file(tiny_disk):
     store = DiskChunkStore(tiny_disk, "fp-a", max_bytes=1 << 30)  # the disk, not the bound, is the limit
     cache = cache_with(store, Pool(layers=8, slots=512, heads=4, head_dim=16))  # 512 KiB of KV
-    save_chunk(cache, list(range(512)))
+    save_chunk(cache, StoredChunk.of(range(512)))
     store.wait_for_writes()
     assert cache.counters.values.get("disk_write_failures") == 1
     assert cache.counters.values.get("disk_saves", 0) == 0

@@ -35,7 +35,7 @@ def replicas(tmp_path_factory, default_model_dir) -> Replicas:
                                  ["--replicas", "2", "--max-total-tokens", str(POOL_TOKENS), "--chunk-store", store,
                                   "--start-mooncake-master", "--chunk-store-timeout", "5"])
     ready = sorted(READY.findall(server.log.read_text()))
-    started = Replicas(server, [url for _, url, _ in ready], [int(pgid) for _, _, pgid in ready], directory)
+    started = Replicas(server, [url for _, url, _ in ready], [int(pgid) for _, _, pgid in ready], directory, store)
     yield started
     stop_picrag_server(server)
 
@@ -127,3 +127,32 @@ def test_with_the_master_stopped_requests_are_computed_and_the_misses_counted(re
     assert again_home == home
     assert_same_answer(again, answer)
     assert replicas.server.process.poll() is None
+
+
+@pytest.mark.slow
+def test_a_short_soak_with_faults_loses_no_request(replicas, shared_qa, tmp_path):
+    """`picrag bench soak`'s slice: the steady workload open-loop on both engines while bad input,
+    slow clients, a master stop and restart and an engine kill are injected. Every request is
+    answered or refused with a status and a reason, none lost; the bad input is all 4xx; a sampled
+    share answers the same on the idle server; the server is healthy at the end. Last in the file:
+    it kills an engine."""
+    from rag_server.bench.soak import SoakOptions, run_soak
+    from rag_server.bench.steady import SteadyOptions
+    from rag_server.bench.steady_client import PICRAG
+    from rag_server.bench.steady_schedule import ScheduleSettings
+
+    steady = SteadyOptions(
+        datasets=(shared_qa / "hotpotqa.dev.jsonl",), out=tmp_path / "soak", systems=(PICRAG,), clients=4,
+        schedule=ScheduleSettings(minutes=0.75, rate=0.3, zipf=1.1, novel=0.2, pool=4, passages=2, seed=2),
+        max_tokens=2, bucket_s=15.0, url=replicas.server.url)
+    report = run_soak(SoakOptions(steady, check_share=0.2, monitor_s=2.0, log=replicas.server.log,
+                                  store=replicas.chunk_store), progress=False)
+    counted = report["accounting"]
+    assert counted["requests"] == report["settings"]["requests"] > 5
+    assert counted["lost"] == 0, report["requests"]
+    assert counted["answered"] + sum(counted["refused"].values()) == counted["requests"]
+    assert set(report["faults_by_kind"]) == {"bad_input", "slow_clients", "master_stop", "master_restart",
+                                             "replica_kill"}
+    assert all(fault["ok"] for fault in report["faults"]), report["faults"]
+    assert report["correctness"]["checked"] >= 1 and not report["correctness"]["differing"], report["correctness"]
+    assert report["healthy_at_end"] and report["peak_open_files"] > 0

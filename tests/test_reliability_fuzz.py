@@ -76,6 +76,7 @@ LINK_PAYLOAD_FIELDS = {
     "first_token_logprobs": maybe(st.one_of(st.booleans(), JUNK)),
     "recompute": maybe(st.lists(SPAN, max_size=3)), "context_attention": maybe(st.one_of(st.booleans(), JUNK)),
     "tail": maybe(st.one_of(st.lists(TOKEN_ID, max_size=10), JUNK)),
+    "span_logprobs": maybe(st.one_of(st.integers(-2, 70), JUNK)),
 }
 LINK_PAYLOAD = st.fixed_dictionaries({}, optional={**LINK_PAYLOAD_FIELDS, "extra_key": JUNK})
 ACTION = st.fixed_dictionaries({

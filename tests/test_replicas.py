@@ -29,7 +29,7 @@ from rag_server.launch.ports import PORTS_FROM, ephemeral_low
 from rag_server.launch.replicas import ExternalEngines, ReplicaSet, engines_for, replica_configs
 from rag_server.launch.runtime import RuntimeConfig, SGLangRuntime
 from rag_server.linking.chunk_compiler import ROUTING_KEY_HEADER, passage_set_key
-from picrag_core.chunk_key import chunk_key
+from picrag_core.chunk_key import StoredChunk, chunk_key
 from sglang_patches.store.disk import DiskChunkStore
 from picrag_core.link_hints import LinkRequest, link_hints
 from tests.chunk_requests import assert_same_answer, counters, passages_of
@@ -134,7 +134,7 @@ def test_a_gateway_that_cannot_start_says_why(tmp_path):
 
 # --- two writers of one chunk file ----------------------------------------------------------------
 
-TOKENS = list(range(100, 300))
+TOKENS = StoredChunk.of(range(100, 300))
 WRITES = 30
 
 
@@ -170,7 +170,7 @@ def test_two_processes_writing_the_same_chunk_file_never_expose_a_partial_one(tm
     assert [writer.exitcode for writer in writers] == [0, 0]  # no writer lost its temporary
     assert loads > 0
     directory = tmp_path / "fp" / "tp0of1"
-    assert [path.name for path in directory.iterdir()] == [f"{chunk_key(TOKENS)}.safetensors"]
+    assert [path.name for path in directory.iterdir()] == [f"{TOKENS.digest}.safetensors"]
 
 
 # --- two replicas of the default model ------------------------------------------------------------
@@ -185,6 +185,7 @@ class Replicas:
     urls: list[str]
     process_groups: list[int]
     store: Path
+    chunk_store: str = ""  # the server's --chunk-store, where it is not `store`
 
     def counters(self) -> list[dict[str, float]]:
         return [counters(httpx.Client(base_url=url, timeout=30)) for url in self.urls]

@@ -552,7 +552,7 @@ def _repair_record(options: QualityOptions, model_dir: Path, policies: list[str]
 def register(commands) -> None:
     """Add `bench quality` to the `bench` command group's subparsers."""
     quality = commands.add_parser(
-        "quality", help="F1/EM, agreement and first-token KL vs full, TTFT, reuse: every policy, one run",
+        "quality", help="F1/EM, agreement, first-token and answer-span KL vs full, TTFT, reuse: every policy, one run",
         description="Run every policy on the same questions (warm chunk cache) and write "
         "results.json, results.md and pareto.png to --out.",
     )
