@@ -36,7 +36,8 @@ missing is answered before any compute. Leases never pin more than LEASE_POOL_SH
 pinned chunks can never starve the pool.
 
 A client never names these namespaces: its own `extra_key` is moved out of them, and a picrag
-hint the engine does not admit is ignored (sglang_patches.guard.request_guard).
+hint the engine does not admit is refused as the request arrives (`admit`, called by
+sglang_patches.tree.link_admission; the rules: sglang_patches.guard.request_guard).
 
 What a request gets follows its policy family's flags (picrag_core.policies). Vanilla
 requests (no picrag hint) and families that reuse no chunks (``prefix``) use the plain tree;
