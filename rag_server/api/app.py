@@ -54,6 +54,7 @@ def create_app(
     client_idle_timeout_s: float = DEFAULT_CLIENT_IDLE_TIMEOUT_S,
     watchdog_timeout_s: float | None = None,
     on_stall: Callable[[str], None] | None = None,
+    engines: int = 1,
 ) -> FastAPI:
     """The frontend for a runtime that is already up. `model_path` (default: the runtime's)
     gives the tokenizer and context window; `index_dir` the passage index to retrieve from.
@@ -71,9 +72,12 @@ def create_app(
     (rag_server/linking/chunk_discovery.py). `client_idle_timeout_s`: how long a client may stall
     its body or its answer (rag_server/api/client_timeouts.py). `watchdog_timeout_s`: a scheduler
     with work and no progress for this long makes /health 503 and calls `on_stall`
-    (rag_server/api/progress_watchdog.py; None: no watchdog)."""
+    (rag_server/api/progress_watchdog.py; None: no watchdog). `engines`: how many engines stand
+    behind `runtime_url` (replicas behind the gateway): linked prompts in flight share that many
+    KV pools (rag_server/linking/kv_budget.py)."""
     settings = FrontendSettings(runtime_url, policies or PolicyResolver.start(), model_path, index_dir, timeouts,
-                                quality, pass_unlisted_fields=pass_unlisted_fields, discovery=discovery)
+                                quality, pass_unlisted_fields=pass_unlisted_fields, discovery=discovery,
+                                engines=engines)
 
     app = FastAPI(title="picrag", version="0.1.0", lifespan=lambda app: _running(app, settings))
     watchdog = None if watchdog_timeout_s is None else ProgressWatchdog(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -18,12 +19,15 @@ from rag_server.service.prompt_discovery import PromptDiscovery, generation_defa
 from rag_server.api.upstream import UpstreamTimeouts, runtime_client
 from rag_server.linking.chunk_compiler import ChunkCompiler
 from rag_server.linking.chunk_discovery import DiscoverySettings
+from rag_server.linking.kv_budget import KVBudget, pool_tokens
 from rag_server.linking.pipeline import LinkPipeline
 from rag_server.linking.policy_resolver import PolicyResolver
 from rag_server.service.context_window import ContextLimits
 from rag_server.service.quality import QualityControl, QualitySettings
 from rag_server.service.rag_service import RagService
 
+
+logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FrontendSettings:
@@ -35,6 +39,7 @@ class FrontendSettings:
     quality: QualitySettings = QualitySettings()  # `auto` and shadow sampling
     pass_unlisted_fields: bool = False  # forward fields the allowlist does not list (trusted clients)
     discovery: DiscoverySettings = DiscoverySettings()  # passages found in whole prompts
+    engines: int = 1  # engines behind runtime_url, each with its own KV pool (replicas behind the gateway)
 
 
 @dataclass
@@ -55,8 +60,12 @@ class Frontend:
             model_dir = Path(settings.model_path or info["model_path"])
             tokenizer = await asyncio.to_thread(_load_tokenizer, Path(info.get("tokenizer_path") or model_dir))
             retriever = await asyncio.to_thread(_open_index, settings.index_dir) if settings.index_dir else None
-            pipeline = LinkPipeline(client, ChunkCompiler(client), sink_token=tokenizer.bos_token_id)
             server_info = (await client.get("/get_server_info")).json()
+            pool = pool_tokens(server_info)
+            budget = None if pool is None else KVBudget(pool * settings.engines)
+            if budget is None:
+                logger.warning("the runtime reports no KV pool size: linked prompts are not admitted by it")
+            pipeline = LinkPipeline(client, ChunkCompiler(client), sink_token=tokenizer.bos_token_id, budget=budget)
             rag = RagService(
                 tokenizer,
                 pipeline,

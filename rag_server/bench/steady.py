@@ -66,7 +66,8 @@ class SteadyOptions:
     systems: tuple[str, ...] = SYSTEMS
     clients: int = 16  # requests in flight at most
     max_tokens: int = 16
-    max_total_tokens: int | None = 8192  # KV pool of the servers started here
+    max_total_tokens: int | None = None  # KV pool of the servers started here (None: picrag serve's)
+    serve_args: tuple[str, ...] = ()  # more `picrag serve` flags for the picrag server started here
     bucket_s: float = 60.0  # the report's time step
     url: str | None = None
     model: str | None = None
@@ -134,7 +135,9 @@ def run_steady(options: SteadyOptions, progress: bool = True) -> dict[str, Any]:
     results: dict[str, tuple[list[Outcome], list[Sample]]] = {}
     model_dir: Path | None = None
     picrag_systems = [s for s in options.systems if s != VANILLA]
-    serve_args = [] if options.max_total_tokens is None else ["--max-total-tokens", str(options.max_total_tokens)]
+    serve_args = [*options.serve_args]
+    if options.max_total_tokens is not None:
+        serve_args += ["--max-total-tokens", str(options.max_total_tokens)]
     if picrag_systems:
         with server(options.url, options.model, options.port, options.out / "server.log", serve_args) as url:
             model_dir = model_path_of(url, options.model)
@@ -159,7 +162,8 @@ def run_steady(options: SteadyOptions, progress: bool = True) -> dict[str, Any]:
         "model": str(model_dir),
         "machine": machine_description(),
         "settings": {**asdict(settings), "clients": options.clients, "max_tokens": options.max_tokens,
-                     "max_total_tokens": options.max_total_tokens, "bucket_s": options.bucket_s,
+                     "max_total_tokens": options.max_total_tokens, "serve_args": list(options.serve_args),
+                     "bucket_s": options.bucket_s,
                      "datasets": [str(p) for p in options.datasets], "requests": len(schedule)},
         "reuse": {"repeat_share_expected": expected_repeat_share(settings, len(schedule)),
                   "repeat_share_scheduled": repeat_share(schedule)},
@@ -209,7 +213,11 @@ def register(commands) -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"systems to run (default {','.join(SYSTEMS)})")
     parser.add_argument("--clients", type=int, default=16, help="requests in flight at most (default 16)")
     parser.add_argument("--max-tokens", type=int, default=16, help="new tokens per answer (default 16)")
-    parser.add_argument("--max-total-tokens", type=int, default=8192, help="KV pool of the servers started here")
+    parser.add_argument("--max-total-tokens", type=int, default=None,
+                        help="KV pool of the servers started here (default: picrag serve's)")
+    parser.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
+                        help="one more `picrag serve` flag for the picrag server started here (repeatable; "
+                        "e.g. --serve-arg=--chunk-store=/var/picrag/chunks)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--url", default=None, help="a running picrag server; default: start one here")
     parser.add_argument("--model", default=None, metavar="PRESET|PATH")
@@ -227,6 +235,7 @@ def _main(args) -> int:
         seed=args.seed)
     options = SteadyOptions(datasets=datasets, out=args.out, schedule=schedule, systems=_csv(args.systems, "systems", SYSTEMS),
                             clients=args.clients, max_tokens=args.max_tokens, max_total_tokens=args.max_total_tokens,
+                            serve_args=tuple(args.serve_arg),
                             url=args.url, model=args.model, port=args.port, command=command_line())
     run_steady(options)
     print((options.out / "steady.md").read_text())

@@ -33,6 +33,7 @@ import httpx
 
 from rag_server.linking import sse
 from rag_server.linking.chunk_compiler import ROUTING_KEY_HEADER, ChunkCompiler, CompileError, Pieces
+from rag_server.linking.kv_budget import KVBudget, KVHold
 from rag_server.linking.selection import selected_runs
 from picrag_core.engine_report import EngineReport
 from picrag_core.link_hints import MISS_REFUSAL, MISS_REFUSAL_STATUS, LinkRequest, runtime_request
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 MAX_RELINKS = 3
 _JSON = {"content-type": "application/json"}
+SGLANG_MAX_NEW_TOKENS = 128  # SGLang's default where a body names none
 
 
 class GenerationError(RuntimeError):
@@ -110,6 +112,7 @@ class Linked:
     misses: int
     compile_s: float  # spent making sure the chunks were stored, relinks included
     refused: bool = False  # the engine refused it unrun: a chunk was missing as it arrived
+    hold: Optional[KVHold] = None  # its share of the KV budget, given back when it is closed
 
     @classmethod
     async def read(cls, response: httpx.Response, compile_s: float) -> Linked:
@@ -141,6 +144,8 @@ class Linked:
 
     async def aclose(self) -> None:
         await self.response.aclose()
+        if self.hold is not None:
+            self.hold.release()
 
     async def deltas(self) -> AsyncIterator[RuntimeDelta]:
         """The text a streamed generation produces, delta by delta; GenerationError for a
@@ -169,10 +174,12 @@ class LinkPipeline:
     """Sends links as they are given: the policy a link names is the one it is served with,
     resolved once per request before it gets here (rag_server/linking/policy_resolver.py)."""
 
-    def __init__(self, client: httpx.AsyncClient, compiler: ChunkCompiler, sink_token: Optional[int] = None):
+    def __init__(self, client: httpx.AsyncClient, compiler: ChunkCompiler, sink_token: Optional[int] = None,
+                 budget: Optional[KVBudget] = None):
         self.client = client
         self.compiler = compiler
         self.sink_token = sink_token  # the model's BOS: the sink that policies with sink tokens compile
+        self.budget = budget  # the runtime's KV pool shared by linked prompts in flight (kv_budget.py)
         self.relinks = 0  # links sent again because a chunk was missing (picrag_frontend_relinks)
 
     def with_sink(self, link: LinkRequest) -> LinkRequest:
@@ -194,9 +201,26 @@ class LinkPipeline:
         `link` says, its chunks compiled first; relinked when chunks are missing at link time.
         `headers` and `params` go with every link request."""
         pieces = Pieces.of(input_ids, link)  # hashed once for every compile, relink and probe below
-        if link.family.scored_as and link.chunks and link.ratio > 0 and not link.recompute:
-            link = await self._select(input_ids, link, pieces, headers, params)
-        return await self._linked(input_ids, link, pieces, fields, headers, params)
+        hold = None
+        if self.budget is not None:
+            new_tokens = (fields.get("sampling_params") or {}).get("max_new_tokens")
+            row = len(input_ids) + (SGLANG_MAX_NEW_TOKENS if new_tokens is None else int(new_tokens))
+            hold = await self.budget.hold(row, pieces.keys, [len(segment) for segment in pieces.segments])
+        try:
+            if link.family.scored_as and link.chunks and link.ratio > 0 and not link.recompute:
+                link = await self._select(input_ids, link, pieces, headers, params)
+            linked = await self._linked(input_ids, link, pieces, fields, headers, params)
+        except BaseException:
+            if hold is not None:
+                hold.release()
+            raise
+        if hold is not None:
+            hold.grafted()  # the first event is back: the pieces are in the request's own slots
+            if linked.rest is None:  # a whole answer, read and closed already
+                hold.release()
+            else:
+                linked.hold = hold
+        return linked
 
     async def _linked(self, input_ids: list[int], link: LinkRequest, pieces: Pieces, fields: Mapping[str, Any],
                       headers: Mapping[str, str], params: Any) -> Linked:
