@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rag_server.bench.steady_client import PICRAG, PREFIX, VANILLA, Outcome
-from rag_server.bench.steady_report import Sample, accounting, minute_rows, speedups
+from rag_server.bench.steady_report import Sample, accounting, minute_rows, speedups, ttft_speedups
 from rag_server.bench.steady_schedule import (ScheduleSettings, build_schedule, expected_repeat_share,
                                               repeat_share, zipf_weights)
 from retrieval.prompt_layout import PromptPassage
@@ -63,14 +63,14 @@ def test_minutes_account_for_every_request_and_divide_systems():
     theirs = [_outcome(VANILLA, i, 10.0 * i, 5.0 if i % 2 else None, status=200 if i % 2 else 0,
                        error="" if i % 2 else "ReadTimeout") for i in range(12)]
     theirs[2] = _outcome(VANILLA, 2, 20.0, None, status=400, error="bad")
-    samples = [Sample(0, {"compile_chunk_hits": 0}), Sample(60, {"compile_chunk_hits": 4}),
-               Sample(120, {"compile_chunk_hits": 10})]
+    samples = [Sample(0, {"chunk_hits": 0}), Sample(60, {"chunk_hits": 4}), Sample(120, {"chunk_hits": 10})]
     per_system = {PICRAG: minute_rows(ours, samples, 2), VANILLA: minute_rows(theirs, [], 2)}
     first = per_system[PICRAG][0]
     assert (first["arrived"], first["answered"], first["failed"]) == (6, 6, 0)
-    assert first["reused_share"] == 0.5 and first["pool_hits"] == 4 and per_system[PICRAG][1]["pool_hits"] == 6
-    assert per_system[VANILLA][0]["answered"] == 3 and per_system[VANILLA][0]["pool_hits"] is None
+    assert first["reused_share"] == 0.5 and first["chunk_hits"] == 4 and per_system[PICRAG][1]["chunk_hits"] == 6
+    assert per_system[VANILLA][0]["answered"] == 3 and per_system[VANILLA][0]["chunk_hits"] is None
     assert speedups(per_system, VANILLA)[0] == pytest.approx(first["answered_per_s"] / per_system[VANILLA][0]["answered_per_s"])
+    assert ttft_speedups(per_system, VANILLA) == [pytest.approx(5.0), pytest.approx(5.0)]  # 5 s against 1 s
     counted = accounting(theirs)
     assert counted["requests"] == 12 and counted["answered"] == 6 and counted["lost"] == 5
     assert counted["refused"] == {"400: bad": 1}
@@ -96,6 +96,6 @@ def test_a_short_steady_run_answers_every_request_on_each_system(picrag_server, 
     # (its passages moved): reuse beyond the system prompt.
     reused = {system: sum(r["reused_tokens"] for r in report["requests"][system]) for system in (PICRAG, PREFIX)}
     assert reused[PICRAG] > reused[PREFIX]
-    assert len(report["speedup_over"][PREFIX]) == 2
+    assert len(report["speedup_over"][PREFIX]) == len(report["ttft_speedup_over"][PREFIX]) == 2
     assert json.loads((tmp_path / "steady" / "steady.json").read_text())["settings"]["rate"] == 0.4
     assert "picrag's answered/s over each system's" in (tmp_path / "steady" / "steady.md").read_text()

@@ -48,7 +48,7 @@ from rag_server.bench.common import (
 )
 from rag_server.bench.load import FRONTEND_METRICS, flush_when_idle, vanilla_server
 from rag_server.bench.steady_client import PICRAG, PREFIX, VANILLA, Outcome, send, unsent_outcome
-from rag_server.bench.steady_report import Sample, accounting, markdown, minute_rows, plot, speedups
+from rag_server.bench.steady_report import Sample, accounting, markdown, minute_rows, plot, speedups, ttft_speedups
 from rag_server.bench.steady_schedule import (POLICY_MIX, ROUTES, ScheduleSettings, Scheduled, build_schedule,
                                               expected_repeat_share, repeat_share)
 from retrieval.prompt_layout import PromptLayout
@@ -155,7 +155,9 @@ def run_steady(options: SteadyOptions, progress: bool = True) -> dict[str, Any]:
             results[VANILLA] = run_system(url, VANILLA, schedule, layout, options, "", progress)
     per_system = {system: minute_rows(outcomes, samples, minutes, options.bucket_s)
                   for system, (outcomes, samples) in results.items()}
-    ratios = {system: speedups(per_system, system) for system in per_system if system != PICRAG and PICRAG in per_system}
+    others = [system for system in per_system if system != PICRAG and PICRAG in per_system]
+    ratios = {system: speedups(per_system, system) for system in others}
+    ttft_ratios = {system: ttft_speedups(per_system, system) for system in others}
     settings = options.schedule
     report = {
         "command": options.command,
@@ -170,12 +172,13 @@ def run_steady(options: SteadyOptions, progress: bool = True) -> dict[str, Any]:
         "accounting": {system: accounting(outcomes) for system, (outcomes, _) in results.items()},
         "minutes": per_system,
         "speedup_over": ratios,
+        "ttft_speedup_over": ttft_ratios,
         "requests": {system: [asdict(o) for o in outcomes] for system, (outcomes, _) in results.items()},
         "counters": {system: [asdict(s) for s in samples] for system, (_, samples) in results.items()},
     }
     (options.out / "steady.json").write_text(json.dumps(report, indent=2))
-    (options.out / "steady.md").write_text(markdown(per_system, ratios))
-    plot(per_system, ratios, options.out / "steady.png",
+    (options.out / "steady.md").write_text(markdown(per_system, ratios, ttft_ratios))
+    plot(per_system, ratios, ttft_ratios, options.out / "steady.png",
          f"{Path(str(model_dir)).name}: {settings.rate:g} req/s, Zipf {settings.zipf:g}, {settings.novel:.0%} novel")
     return report
 

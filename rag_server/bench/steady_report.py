@@ -2,9 +2,9 @@
 
 Per system and minute (by scheduled arrival): requests answered and failed, answered per second
 (by completion time), TTFT p50/p99, the share of prompt tokens served from cache, and, from the
-engine's and frontend's counters sampled at each minute's end, chunk hits by tier (compiles that
-found their piece in the KV pool, reloads from the host tier, reloads from the chunk store),
-chunk compiles, host-tier evictions and relinks. Then picrag's answered per second over each other
+engine's and frontend's counters sampled at each minute's end: chunks the links found stored
+(`chunk_hits`, in the pool or reloaded into it), of those reloads from the host tier and from the
+chunk store, chunk compiles that computed their piece, host-tier evictions and relinks. Then picrag's answered per second over each other
 system's, minute by minute, and a plot of it.
 """
 
@@ -21,9 +21,9 @@ from rag_server.service.percentile import percentile
 
 # Counter deltas reported per minute: the report's name -> the counters summed.
 TIERS = {
-    "pool_hits": ("compile_chunk_hits",),
-    "host_hits": ("host_loads",),
-    "store_hits": ("store_loads",),
+    "chunk_hits": ("chunk_hits",),
+    "host_reloads": ("host_loads",),
+    "store_reloads": ("store_loads",),
     "compiled": ("compile_chunk_misses",),
     "host_evictions": ("host_evictions",),
     "relinks": ("frontend_relinks",),
@@ -76,9 +76,17 @@ def minute_rows(outcomes: Sequence[Outcome], samples: Sequence[Sample], minutes:
 
 
 def speedups(per_system: dict[str, list[dict[str, Any]]], over: str) -> list[Optional[float]]:
-    """picrag's answered per second over `over`'s, minute by minute (None where `over` answered none)."""
+    """picrag's answered per second over `over`'s, minute by minute (None where `over` answered none):
+    the throughput ratio, which shows where the arrivals outrun `over`."""
     ours, theirs = per_system.get(PICRAG, []), per_system.get(over, [])
     return [a["answered_per_s"] / b["answered_per_s"] if b["answered_per_s"] else None
+            for a, b in zip(ours, theirs)]
+
+
+def ttft_speedups(per_system: dict[str, list[dict[str, Any]]], over: str) -> list[Optional[float]]:
+    """`over`'s TTFT p50 over picrag's, minute by minute: the ratio that shows where both keep up."""
+    ours, theirs = per_system.get(PICRAG, []), per_system.get(over, [])
+    return [b["ttft_p50_s"] / a["ttft_p50_s"] if a["ttft_p50_s"] and b["ttft_p50_s"] else None
             for a, b in zip(ours, theirs)]
 
 
@@ -100,10 +108,20 @@ def accounting(outcomes: Sequence[Outcome]) -> dict[str, Any]:
 
 
 COLUMNS = ("system", "minute", "arrived", "answered", "failed", "unsent", "answered/s", "TTFT p50 s", "TTFT p99 s",
-           "reused share", "pool hits", "host hits", "store hits", "compiled", "host evictions", "relinks")
+           "reused share", "chunk hits", "host reloads", "store reloads", "compiled", "host evictions", "relinks")
 
 
-def markdown(per_system: dict[str, list[dict[str, Any]]], ratios: dict[str, list[Optional[float]]]) -> str:
+def _ratio_rows(title: str, ratios: dict[str, list[Optional[float]]]) -> list[str]:
+    minutes = len(next(iter(ratios.values())))
+    lines = ["", title, "", "| over | " + " | ".join(f"min {m + 1}" for m in range(minutes)) + " |",
+             "|---|" + "---|" * minutes]
+    for system, values in ratios.items():
+        lines.append(f"| {system} | " + " | ".join(f"{fmt(v, 2)}x" if v is not None else "n/a" for v in values) + " |")
+    return lines
+
+
+def markdown(per_system: dict[str, list[dict[str, Any]]], ratios: dict[str, list[Optional[float]]],
+             ttft_ratios: dict[str, list[Optional[float]]]) -> str:
     rows = []
     for system, minutes in per_system.items():
         for row in minutes:
@@ -114,17 +132,15 @@ def markdown(per_system: dict[str, list[dict[str, Any]]], ratios: dict[str, list
     table = render_table(COLUMNS, rows, [])
     if not ratios:
         return table
-    lines = ["", "picrag's answered/s over each system's, minute by minute:", "",
-             "| over | " + " | ".join(f"min {m + 1}" for m in range(len(next(iter(ratios.values()))))) + " |",
-             "|---|" + "---|" * len(next(iter(ratios.values())))]
-    for system, values in ratios.items():
-        lines.append(f"| {system} | " + " | ".join(f"{fmt(v, 2)}x" if v is not None else "n/a" for v in values) + " |")
+    lines = (_ratio_rows("picrag's answered/s over each system's, minute by minute:", ratios)
+             + _ratio_rows("Each system's TTFT p50 over picrag's, minute by minute:", ttft_ratios))
     return table + "\n".join(lines) + "\n"
 
 
-def plot(per_system: dict[str, list[dict[str, Any]]], ratios: dict[str, list[Optional[float]]], path: Path,
-         title: str) -> None:
-    """Answered per second per system, and picrag's speed-up, over the run (needs matplotlib)."""
+def plot(per_system: dict[str, list[dict[str, Any]]], ratios: dict[str, list[Optional[float]]],
+         ttft_ratios: dict[str, list[Optional[float]]], path: Path, title: str) -> None:
+    """Answered per second and TTFT p50 per system, and picrag's speed-ups, over the run (needs
+    matplotlib)."""
     try:
         import matplotlib
 
@@ -132,16 +148,23 @@ def plot(per_system: dict[str, list[dict[str, Any]]], ratios: dict[str, list[Opt
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    figure, (rates, ups) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    figure, (rates, ttfts, ups) = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
     for system, minutes in per_system.items():
         rates.plot([m["minute"] for m in minutes], [m["answered_per_s"] for m in minutes], marker="o", label=system)
+        points = [(m["minute"], m["ttft_p50_s"]) for m in minutes if m["ttft_p50_s"] is not None]
+        if points:
+            ttfts.plot(*zip(*points), marker="o", label=system)
     rates.set_ylabel("answered / s")
     rates.legend()
     rates.set_title(title)
-    for system, values in ratios.items():
-        points = [(m + 1, v) for m, v in enumerate(values) if v is not None]
-        if points:
-            ups.plot(*zip(*points), marker="o", label=f"over {system}")
+    ttfts.set_ylabel("TTFT p50 (s)")
+    ttfts.legend()
+    for label, series in (("answered/s", ratios), ("TTFT p50", ttft_ratios)):
+        for system, values in series.items():
+            points = [(m + 1, v) for m, v in enumerate(values) if v is not None]
+            if points:
+                ups.plot(*zip(*points), marker="o", label=f"{label}, over {system}")
+    ups.axhline(1.0, color="grey", linewidth=0.5)
     ups.set_ylabel("picrag's speed-up")
     ups.set_xlabel("minute")
     ups.legend()
