@@ -13,11 +13,37 @@ stamp_of() { cat pyproject.toml requirements/runtime.txt requirements/model-pack
 runtime_stamp="$VENV/.picrag-runtime-$(stamp_of)"
 test_stamp="$VENV/.picrag-test-$(stamp_of requirements/test.txt)"
 
+# Debian packages, installed in the background while pip unpacks (both mostly wait on the disk):
+# Mooncake (--chunk-store mooncake://, requirements/runtime.txt) links libibverbs even over TCP,
+# and the page's browser test (tests/test_web_page.py) drives Debian's chromium through chromedriver.
+system_packages() {
+  local wanted=() as_root=()
+  [ "$(id -u)" = 0 ] || as_root=(sudo)
+  ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || wanted+=(libibverbs1)
+  if [ "$want_test" = 1 ] && ! { command -v chromium && command -v chromedriver; } >/dev/null; then
+    wanted+=(chromium chromium-driver)
+  fi
+  [ ${#wanted[@]} -gt 0 ] || return 0
+  echo "[setup] installing ${wanted[*]} (apt)"
+  if ! { "${as_root[@]}" apt-get update -qq >/dev/null &&
+         "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${wanted[@]}" >/dev/null; }; then
+    if [[ " ${wanted[*]} " == *" chromium "* ]]; then
+      echo "[setup] error: apt could not install ${wanted[*]}" >&2
+      return 1
+    fi
+    echo "[setup] warning: libibverbs1 not installed: --chunk-store mooncake:// will not start (file:// works)" >&2
+  fi
+}
+system_packages &
+apt_job=$!
+
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating virtual environment $VENV"
   "$PY" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+# --no-compile: pip would byte-compile every module of torch, SGLang and transformers (tens of
+# thousands); Python compiles the few hundred a server imports on first use instead.
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --no-compile -q)
 # pip install, its stderr through scripts/fold_sglang_requirements.awk (pip's list of the sglang
 # requirements left out on purpose becomes one line); stdout untouched, pipefail keeps pip's status.
 pip_install() {
@@ -48,19 +74,4 @@ if [ "$want_test" = 1 ] && [ ! -e "$test_stamp" ]; then
   rm -f "$VENV"/.picrag-test-*
   touch "$test_stamp"
 fi
-# Mooncake (--chunk-store mooncake://, requirements/runtime.txt) links libibverbs even over TCP.
-if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then
-  echo "[setup] installing libibverbs1 (apt) for the Mooncake chunk store"
-  as_root=(); [ "$(id -u)" = 0 ] || as_root=(sudo)
-  if ! { "${as_root[@]}" apt-get update -qq >/dev/null &&
-         "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; }; then
-    echo "[setup] warning: libibverbs1 not installed: --chunk-store mooncake:// will not start (file:// works)" >&2
-  fi
-fi
-# The page's browser test (tests/test_web_page.py) drives Debian's chromium through chromedriver.
-if [ "$want_test" = 1 ] && ! { command -v chromium && command -v chromedriver; } >/dev/null; then
-  echo "[setup] installing chromium and chromium-driver (apt) for the page's browser test"
-  as_root=(); [ "$(id -u)" = 0 ] || as_root=(sudo)
-  "${as_root[@]}" apt-get update -qq >/dev/null
-  "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
-fi
+wait "$apt_job"
