@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from sglang_patches.steps.kv_repair import RepairPart, RepairSpan, repair_spans
+from picrag_core.repair.network import ChunkInputs
 from picrag_core.rope_shift import KeyShifter
 from rag_server.bench.transparency import TOLERANCE
-from tests.chunk_requests import (assert_same_answer, counters, first_token_top, passages_of, picrag_meta,
+from tests.chunk_requests import (assert_same_answer, counters, passages_of, picrag_meta,
                                  question_tokens, run)
 
 LAYERS, HEADS, DIM = 2, 2, 8
@@ -36,10 +37,16 @@ class ConstantRepairer:
 
     def __init__(self, dtype: torch.dtype = torch.float32):
         self.dtype = dtype
+        self.stale_seen: list[torch.Tensor] = []  # each chunk's RoPE-free stale K, as its inputs were computed
 
-    def residual(self, stale_k, stale_v, token_ids, chunk_ids):
-        self.seen = (stale_k.clone(), token_ids.clone(), chunk_ids.clone())
-        res = (token_ids.float() / 100)[:, None, None, None].expand_as(stale_k)
+    def chunk_inputs(self, stale_k, stale_v, token_ids):
+        self.stale_seen.append(stale_k.clone())
+        return ChunkInputs(token_ids.float()[:, None], torch.zeros(1, len(token_ids), 1))
+
+    def residual_from(self, inputs, chunk_ids):
+        hidden = ChunkInputs.cat(inputs).hidden[:, 0]
+        self.seen = (hidden.long(), chunk_ids.clone())
+        res = (hidden / 100)[:, None, None, None].expand(len(hidden), LAYERS, HEADS, DIM)
         return res.to(self.dtype), (2 * res).to(self.dtype)
 
 
@@ -59,7 +66,8 @@ def test_repair_writes_rotated_residuals_on_grafted_slots_only(dtype):
     before_k = [k.clone() for k in pool.k]
     before_v = [v.clone() for v in pool.v]
     assert repair_spans(repairer, pool, shifter, [context, grafted]) == 3
-    stale_k, token_ids, chunk_ids = repairer.seen
+    token_ids, chunk_ids = repairer.seen
+    stale_k = torch.cat(repairer.stale_seen)
     assert token_ids.tolist() == [7, 8, 9, 10, 11, 12, 13] and chunk_ids.tolist() == [0, 0, 0, 1, 1, 1, 1]
     # The network sees RoPE-free keys: stored keys rotated back by their local positions.
     torch.testing.assert_close(stale_k[3:, 0], shifter.shift_each(before_k[0][[3, 4, 5, 6]], -torch.arange(4)))
@@ -72,6 +80,26 @@ def test_repair_writes_rotated_residuals_on_grafted_slots_only(dtype):
             torch.testing.assert_close(pool.v[layer][slot], before_v[layer][slot] + 2 * res[0])
         untouched = [s for s in range(32) if s not in (20, 21, 22)]
         assert torch.equal(pool.k[layer][untouched], before_k[layer][untouched])
+
+
+def test_kept_inputs_repair_exactly_like_inputs_computed_from_the_stored_kv():
+    """A chunk linked again brings the inputs its first link computed: nothing of its KV is read
+    for them, and the repaired KV is bit for bit the same (ChunkRadixCache keeps them per node)."""
+    def spans():
+        return [RepairSpan(torch.tensor([0, 1, 2]), [7, 8, 9], position=4, parts=[RepairPart(0, 3, torch.tensor([20, 21, 22]))]),
+                RepairSpan(torch.tensor([3, 4]), [10, 11], position=7, parts=[RepairPart(0, 2, torch.tensor([23, 24]))])]
+
+    first_pool, second_pool, shifter = FakePool(32), FakePool(32), rope_shifter()
+    computing, reusing = ConstantRepairer(), ConstantRepairer()
+    first = spans()
+    assert repair_spans(computing, first_pool, shifter, first) == 5
+    assert len(computing.stale_seen) == 2 and all(span.inputs is not None for span in first)
+    second = spans()
+    for kept, span in zip(first, second):
+        span.inputs = kept.inputs
+    assert repair_spans(reusing, second_pool, shifter, second) == 5
+    assert reusing.stale_seen == []  # no chunk's KV read again
+    assert all(torch.equal(a, b) for a, b in zip(first_pool.k + first_pool.v, second_pool.k + second_pool.v))
 
 
 def test_nothing_grafted_nothing_repaired():
@@ -110,64 +138,3 @@ def test_zero_initialised_repair_answers_as_naive(picrag_server, layout, musique
     # the transparency fuzzer's tolerance, not bit equality.
     assert_same_answer(repaired, naive, TOLERANCE)
 
-
-def shipped_checkpoints() -> list:
-    """One case per folder under cache_repair/checkpoints; the default preset is converted by
-    setup, any other is converted here (once per install: ensure_model keeps the folder)."""
-    from rag_server.launch.repair_checkpoint import SHIPPED_DIR
-    from picrag_core.model_store import DEFAULT_PRESET
-
-    return [pytest.param(path.name, id=path.name, marks=() if path.name == DEFAULT_PRESET else pytest.mark.slow)
-            for path in sorted(SHIPPED_DIR.iterdir()) if path.is_dir()]
-
-
-@pytest.mark.parametrize("preset", shipped_checkpoints())
-def test_every_shipped_checkpoint_loads_on_its_converted_preset(preset):
-    from safetensors import safe_open
-
-    from rag_server.launch.repair_checkpoint import SHIPPED_DIR, choose_repair_checkpoint
-    from picrag_core.model_fingerprint import model_fingerprint
-    from picrag_core.model_store import PRESETS, ensure_model
-    from picrag_core.repair.checkpoint import STATS_FILE, WEIGHTS_FILE, load_repairer
-    from picrag_core.repair.config import read_token_embedding
-
-    assert preset in PRESETS, "a shipped checkpoint is named after the preset it was trained on"
-    model = ensure_model(preset)
-    shipped = SHIPPED_DIR / preset
-    assert choose_repair_checkpoint(model, None) == (shipped, None)
-    fingerprint = model_fingerprint(model, torch.float32)
-    repairer = load_repairer(shipped, read_token_embedding(model), fingerprint)
-    assert repairer.network.head.weight.abs().sum() > 0  # trained, not the zero initialisation
-    for name in (WEIGHTS_FILE, STATS_FILE):
-        with safe_open(shipped / name, "pt") as f:
-            assert f.metadata()["model_fingerprint"] == fingerprint
-
-
-def test_the_default_checkpoint_in_bfloat16_stays_within_a_percent_or_two_of_float32(default_model_dir):
-    """`picrag repair eval --bfloat16` runs the network's products in bfloat16 (serving stays in
-    float32): they stay close."""
-    from picrag_core.repair.network import in_precision
-    from rag_server.launch.repair_checkpoint import SHIPPED_DIR
-    from picrag_core.model_fingerprint import model_fingerprint
-    from picrag_core.model_store import DEFAULT_PRESET
-    from picrag_core.repair.checkpoint import load_repairer
-    from picrag_core.repair.config import read_token_embedding
-
-    repairer = load_repairer(SHIPPED_DIR / DEFAULT_PRESET, read_token_embedding(default_model_dir),
-                             model_fingerprint(default_model_dir, torch.float32))
-    generator = torch.Generator().manual_seed(0)
-    tokens, config = 300, repairer.config
-    shape = (tokens, config.num_layers, config.num_kv_heads, config.head_dim)
-    # Stale KV on the scale the network was trained on: unit-variance streams times their RMS.
-    stale_k = torch.randn(shape, generator=generator) * repairer.stats.stale_rms[:, :, 0]
-    stale_v = torch.randn(shape, generator=generator) * repairer.stats.stale_rms[:, :, 1]
-    token_ids = torch.randint(0, config.vocab_size, (tokens,), generator=generator)
-    chunk_ids = torch.arange(tokens) // 60
-    results = {}
-    for precision in (torch.float32, torch.bfloat16):
-        with in_precision(torch.device("cpu"), precision):
-            results[precision] = repairer.residual(stale_k, stale_v, token_ids, chunk_ids)
-    for exact, fast in zip(results[torch.float32], results[torch.bfloat16]):
-        assert (exact.dtype, fast.dtype) == (torch.float32, torch.bfloat16)
-        assert exact.norm() > 0
-        assert (fast.float() - exact).norm() / exact.norm() < 0.02

@@ -75,6 +75,20 @@ def test_untrained_network_repairs_nothing():
     assert torch.equal(raw_k, torch.zeros_like(raw_k))
 
 
+def test_inputs_computed_chunk_by_chunk_give_the_whole_sequences_residual():
+    """Serving computes the network's per-token inputs for each chunk alone (and keeps them with
+    the stored chunk): concatenated, they give what the network computes over the whole request."""
+    repairer = KVRepairer(tiny_network(randomise=True), tiny_stats(), "fp")
+    k, v, token_ids, chunk_ids = tiny_inputs()
+    whole = repairer.residual(k, v, token_ids, chunk_ids)
+    bounds = [(0, 3), (3, 6), (6, 9)]
+    parts = [repairer.chunk_inputs(k[a:b], v[a:b], token_ids[a:b]) for a, b in bounds]
+    assert all(part.hidden.shape == (3, TINY.width) for part in parts)
+    for got, want in zip(repairer.residual_from(parts, chunk_ids), whole):
+        assert want.abs().max() > 0.1
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_scales_folded_into_the_network_equal_normalising_around_it():
     # Serving passes raw KV and the statistics; training normalises around the network.
     network = tiny_network(randomise=True).eval()

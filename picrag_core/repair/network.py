@@ -8,12 +8,18 @@ error comes from the context it did not see, which is exactly the earlier chunks
 features are re-injected before every block through zero-initialised projections, and the
 output head is zero-initialised, so an untrained network repairs nothing (residual exactly 0)
 and training starts from the stale cache rather than from noise.
+
+Everything before the first block is per token and reads only the token's own chunk: the
+compressed stale features, the input projection and each block's re-injection. That part is
+`ChunkInputs`, computed for one chunk alone; serving keeps it with the stored chunk, so a chunk
+linked again pays only for the blocks and the head (sglang_patches.steps.kv_repair).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +39,24 @@ def chunk_ids_for(lengths: list[int]) -> torch.Tensor:
 def chunk_attention_mask(chunk_ids: torch.Tensor) -> torch.Tensor:
     """[T, T] bool, True where token i may attend to token j: chunk_ids[j] <= chunk_ids[i]."""
     return chunk_ids[None, :] <= chunk_ids[:, None]
+
+
+@dataclass(frozen=True)
+class ChunkInputs:
+    """What the network's blocks take for some tokens: the input projection [T, W] and each
+    block's re-injected stale features [blocks, T, W]. Per token, so one chunk's may be
+    computed alone, kept, and concatenated with other chunks' later."""
+
+    hidden: torch.Tensor
+    reinjected: torch.Tensor
+
+    @staticmethod
+    def cat(parts: list[ChunkInputs]) -> ChunkInputs:
+        return ChunkInputs(torch.cat([p.hidden for p in parts]), torch.cat([p.reinjected for p in parts], dim=1))
+
+    @property
+    def nbytes(self) -> int:
+        return self.hidden.nbytes + self.reinjected.nbytes
 
 
 class StreamCompression(nn.Module):
@@ -107,6 +131,29 @@ class RepairNetwork(nn.Module):
         self.out_norm = nn.LayerNorm(c.width)
         self.head = zero_linear(c.width, 2 * c.num_layers * c.num_kv_heads * c.head_dim)
 
+    def chunk_inputs(self, stale_k: torch.Tensor, stale_v: torch.Tensor, token_ids: torch.Tensor,
+                     scales: KVStats | None = None) -> ChunkInputs:
+        """The per-token part of the network for tokens [T] and their normalised RoPE-free stale
+        K/V [T, L, H, D] (raw with `scales`: the normalisation is folded into the compression)."""
+        features = self.compress(stale_k, stale_v, None if scales is None else scales.stale_rms)
+        hidden = self.stale_in(features) + self.token_in(self.embedding[token_ids])
+        return ChunkInputs(hidden, torch.stack([reinject(features) for reinject in self.reinject]))
+
+    def residual_from(self, inputs: ChunkInputs, chunk_ids: torch.Tensor,
+                      scales: KVStats | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The request's chunks' inputs, concatenated in prompt order -> (res_k, res_v), each
+        [T, L, H, D]: normalised, or raw with `scales` (the de-normalisation folded into the head)."""
+        c = self.config
+        h, mask = inputs.hidden, chunk_attention_mask(chunk_ids)
+        for reinjected, block in zip(inputs.reinjected, self.blocks):
+            h = block(h + reinjected, mask)
+        weight, bias = self.head.weight, self.head.bias
+        if scales is not None:
+            out_scale = scales.delta_sigma.reshape(-1)  # (L, H, K|V, D): the head's output order
+            weight, bias = weight * out_scale[:, None], bias * out_scale
+        out = F.linear(self.out_norm(h), weight, bias).view(len(h), c.num_layers, c.num_kv_heads, 2, c.head_dim)
+        return out[..., 0, :], out[..., 1, :]
+
     def forward(
         self, stale_k: torch.Tensor, stale_v: torch.Tensor, token_ids: torch.Tensor, chunk_ids: torch.Tensor,
         scales: KVStats | None = None,
@@ -116,19 +163,7 @@ class RepairNetwork(nn.Module):
         With `scales`: raw stale K/V in, raw residuals out. The normalisation is folded into the
         compression weights and the de-normalisation into the output head (the same arithmetic
         up to rounding), so serving makes no extra pass over the request's KV for either."""
-        c = self.config
-        tokens = stale_k.shape[0]
-        features = self.compress(stale_k, stale_v, None if scales is None else scales.stale_rms)
-        h = self.stale_in(features) + self.token_in(self.embedding[token_ids])
-        mask = chunk_attention_mask(chunk_ids)
-        for reinject, block in zip(self.reinject, self.blocks):
-            h = block(h + reinject(features), mask)
-        weight, bias = self.head.weight, self.head.bias
-        if scales is not None:
-            out_scale = scales.delta_sigma.reshape(-1)  # (L, H, K|V, D): the head's output order
-            weight, bias = weight * out_scale[:, None], bias * out_scale
-        out = F.linear(self.out_norm(h), weight, bias).view(tokens, c.num_layers, c.num_kv_heads, 2, c.head_dim)
-        return out[..., 0, :], out[..., 1, :]
+        return self.residual_from(self.chunk_inputs(stale_k, stale_v, token_ids, scales), chunk_ids, scales)
 
     def trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
@@ -160,6 +195,19 @@ class KVRepairer:
         self.network.to(device)
         self.stats = self.stats.to(device)
         return self
+
+    @torch.no_grad()
+    def chunk_inputs(self, stale_k: torch.Tensor, stale_v: torch.Tensor, token_ids: torch.Tensor) -> ChunkInputs:
+        """One chunk's network inputs from its raw RoPE-free stale K/V [n, L, H, D] and tokens [n]
+        (computed for the chunk alone: the same bits whichever request asks)."""
+        device = self.device
+        return self.network.chunk_inputs(stale_k.to(device, torch.float32), stale_v.to(device, torch.float32),
+                                         token_ids.to(device), scales=self.stats)
+
+    @torch.no_grad()
+    def residual_from(self, inputs: list[ChunkInputs], chunk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The raw float32 residuals of a request's chunks from their inputs, in prompt order."""
+        return self.network.residual_from(ChunkInputs.cat(inputs), chunk_ids.to(self.device), scales=self.stats)
 
     @torch.no_grad()
     def residual(

@@ -10,6 +10,12 @@ R(p) res``, so a zero residual leaves exactly naive's KV. Chunks already on the 
 (an earlier request with the same head and chunks repaired them) are context for the network
 but are not written again.
 
+The network's per-token part reads only the token's own chunk (picrag_core.repair.network's
+ChunkInputs): it is computed for each stored chunk alone from its stored KV and kept with the
+chunk in the tree (sglang_patches.tree.chunk_cache), so a chunk linked again skips reading its
+KV over every layer, the rotation and the compression; the request pays for the blocks that
+mix its chunks and for the head.
+
 ``cacherepair+legolink`` repairs the same way, with the prompt in LegoLink's order: only the
 chunks' rests are grafted and written, while the network still sees every chunk whole (a chunk
 that k covers entirely is context only), so the rests get exactly cacherepair's KV and the first
@@ -29,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from picrag_core.repair.network import chunk_ids_for
+from picrag_core.repair.network import ChunkInputs, chunk_ids_for
 
 logger = logging.getLogger(__name__)
 
@@ -73,26 +79,36 @@ class RepairSpan:
     # Its grafted runs, written with the repaired KV (none: context only, e.g. already on the
     # prompt's path; several where a reordered layout recomputes tokens between them).
     parts: list[RepairPart] = field(default_factory=list)
+    inputs: Optional[ChunkInputs] = None  # the network's inputs for the chunk, if kept from an earlier link
+
+
+def chunk_inputs(repairer, kv_pool, shifter, span: RepairSpan) -> ChunkInputs:
+    """The network's inputs for one stored chunk: its keys over every layer rotated back to
+    RoPE-free coordinates (stored at local positions 0..n-1), its values, its tokens."""
+    layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)
+    first_keys = kv_pool.get_key_buffer(kv_pool.start_layer)
+    slots = span.stored_slots.to(first_keys.device, torch.int64)
+    # Whole-tensor ops over [n, L, H, D]: one rotation for all layers, not one per layer.
+    cos, sin = shifter.rotation(-torch.arange(len(slots)), first_keys)
+    stale_k = shifter.rotate(torch.stack([kv_pool.get_key_buffer(layer).index_select(0, slots) for layer in layers],
+                                         dim=1), (cos.unsqueeze(1), sin.unsqueeze(1)))
+    stale_v = torch.stack([kv_pool.get_value_buffer(layer).index_select(0, slots) for layer in layers], dim=1)
+    return repairer.chunk_inputs(stale_k, stale_v, torch.tensor(span.token_ids, dtype=torch.int64))
 
 
 @torch.no_grad()
 def repair_spans(repairer, kv_pool, shifter, spans: list[RepairSpan]) -> int:
-    """Add the network's residual to the grafted parts of `spans`; returns tokens repaired."""
+    """Add the network's residual to the grafted parts of `spans`; returns tokens repaired.
+    A span without inputs gets them computed (and set, for the caller to keep)."""
     if not any(span.parts for span in spans):
         return 0
     layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)
     first_keys = kv_pool.get_key_buffer(kv_pool.start_layer)
-    slots = torch.cat([span.stored_slots for span in spans]).to(first_keys.device, torch.int64)
-    local = torch.cat([torch.arange(len(span.stored_slots)) for span in spans])
-    # Whole-tensor ops over [T, L, H, D]: one rotation for all layers, not one per layer.
-    cos, sin = shifter.rotation(-local, first_keys)
-    to_rope_free = (cos.unsqueeze(1), sin.unsqueeze(1))
-    stale_k = shifter.rotate(
-        torch.stack([kv_pool.get_key_buffer(layer).index_select(0, slots) for layer in layers], dim=1), to_rope_free)
-    stale_v = torch.stack([kv_pool.get_value_buffer(layer).index_select(0, slots) for layer in layers], dim=1)
-    token_ids = torch.tensor([t for span in spans for t in span.token_ids], dtype=torch.int64)
+    for span in spans:
+        if span.inputs is None:
+            span.inputs = chunk_inputs(repairer, kv_pool, shifter, span)
     chunk_ids = chunk_ids_for([len(span.stored_slots) for span in spans])
-    res_k, res_v = repairer.residual(stale_k, stale_v, token_ids, chunk_ids)
+    res_k, res_v = repairer.residual_from([span.inputs for span in spans], chunk_ids)
 
     rows, dst, positions = [], [], []
     start = 0

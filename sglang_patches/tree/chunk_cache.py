@@ -54,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import weakref
 from array import array
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -75,6 +76,7 @@ from picrag_core.chunk_key import StoredChunk
 from sglang_patches.plan.link_plan import PLAN_ATTR, LinkPlan, build_plan, plan_of
 from sglang_patches.plan.link_state import STATE_ATTR, LinkStats, state_of
 from sglang_patches.steps.kv_repair import RepairPart, RepairSpan, repair_spans
+from picrag_core.repair.network import ChunkInputs
 from picrag_core.request_bounds import NAMESPACE_PREFIX, client_namespace
 from sglang_patches.guard.request_guard import EngineSettings, admitted_link, shape_of_req
 from sglang_patches.store.calls import StoreUnavailable
@@ -154,6 +156,9 @@ class ChunkRadixCache(RadixCache):
         self._leases: dict[str, _Lease] = {}
         self._leased: Counter[str] = Counter()  # stored chunk digest -> leases holding it
         self._leased_tokens: dict[str, int] = {}  # stored chunk digest -> its tokens, while leased
+        # A stored chunk's repair-network inputs (kv_repair.chunk_inputs), computed from its KV once
+        # and kept while its node lives: a node's KV never changes, and it goes when the node does.
+        self._repair_inputs: weakref.WeakKeyDictionary[TreeNode, ChunkInputs] = weakref.WeakKeyDictionary()
         super().reset()
         # A flush empties the host tier too (RadixCache.__init__ resets before disk_store is set).
         if getattr(self, "disk_store", None) is not None:
@@ -452,6 +457,7 @@ class ChunkRadixCache(RadixCache):
         # Repairing families: every chunk the network sees, once, in prompt order. Chunks already
         # on the path and chunks recomputed whole are context only (nothing of theirs is written).
         network_spans: dict[int, RepairSpan] = {}
+        network_nodes: dict[int, TreeNode] = {}  # their stored chunks' nodes, which keep the network's inputs
         stored: dict[int, torch.Tensor] = {}  # segment's chunk -> the stored slots, locked
         locks = [self.lock(prefix_node)]
         position = matched
@@ -474,7 +480,9 @@ class ChunkRadixCache(RadixCache):
                     locks.append(found[2])
                     stored[seg.chunk] = found[1]
                     if plan.repairs and seg.is_chunk:
-                        network_spans[seg.chunk] = RepairSpan(found[1], list(seg.stored.tokens), seg.shift)
+                        network_nodes[seg.chunk] = found[0]
+                        network_spans[seg.chunk] = RepairSpan(found[1], list(seg.stored.tokens), seg.shift,
+                                                              inputs=self._repair_inputs.get(found[0]))
                 if on_path:
                     if seg.is_chunk and not seg.recomputed_whole:
                         unmatched[seg.chunk] -= 1
@@ -495,7 +503,7 @@ class ChunkRadixCache(RadixCache):
                     ungrafted[seg.chunk] -= 1
             new_slots = self._materialize(grafts) if grafts else None
             if network_spans and new_slots is not None:
-                self._repair(list(network_spans.values()), grafts, new_slots)
+                self._repair(network_spans, network_nodes, grafts, new_slots)
         finally:
             for lock in locks:
                 self.unlock(lock)
@@ -514,13 +522,21 @@ class ChunkRadixCache(RadixCache):
         stats.grafted_tokens = len(new_slots)
         self.counters.add("grafted_tokens", len(new_slots))
 
-    def _repair(self, spans: list[RepairSpan], grafts: list[_Graft], new_slots: torch.Tensor) -> None:
+    def _repair(self, spans: dict[int, RepairSpan], nodes: dict[int, TreeNode], grafts: list[_Graft],
+                new_slots: torch.Tensor) -> None:
         offset = 0
         for graft in grafts:
             if graft.repair is not None:
                 graft.repair.new_slots = new_slots[offset : offset + len(graft.source_slots)]
             offset += len(graft.source_slots)
-        self.counters.add("repaired_tokens", repair_spans(self.repairer, self.kv_pool, self.shifter, spans))
+        kept = sum(span.inputs is not None for span in spans.values())
+        repaired = repair_spans(self.repairer, self.kv_pool, self.shifter, list(spans.values()))
+        if repaired:
+            for chunk, span in spans.items():
+                self._repair_inputs[nodes[chunk]] = span.inputs
+            self.counters.add("repair_inputs_kept", kept)
+            self.counters.add("repair_inputs_computed", len(spans) - kept)
+        self.counters.add("repaired_tokens", repaired)
 
     def _materialize(self, grafts: list[_Graft]) -> Optional[torch.Tensor]:
         """Fresh slots holding the grafts' KV shifted to their offsets; None if the pool is full.

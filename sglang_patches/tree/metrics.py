@@ -21,6 +21,8 @@ COUNTER_NAMES = {
     "leases_over_share": "linked requests queued without a chunk lease: leases held their share of the pool",
     "leases_lapsed": "chunk leases released because their request neither ran nor ended in time",
     "repaired_tokens": "grafted chunk tokens corrected by the CacheRepair network",
+    "repair_inputs_computed": "chunks whose CacheRepair network inputs were computed from their stored KV",
+    "repair_inputs_kept": "chunks whose CacheRepair network inputs were kept from an earlier link (not recomputed)",
     "disk_saves": "compiled chunks written to the chunk store (file or Mooncake)",
     "disk_loads": "chunks reloaded into the KV pool from the host tier or the chunk store",
     "disk_misses": "chunk lookups that found the chunk in neither the host tier nor the chunk store",
