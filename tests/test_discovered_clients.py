@@ -1,5 +1,6 @@
 """Clients that were not written for picrag, unmodified, get chunk reuse: the OpenAI SDK's chat
-and completions and LangChain's stuff-documents chain send their documents inside the prompt,
+and completions, LangChain's stuff-documents chain and LlamaIndex's response synthesizer
+(through `OpenAILike`) send their documents inside the prompt,
 and the frontend finds them (rag_server/service/prompt_discovery.py). Through this path `full`'s
 equivalent (a LegoLink that recomputes every chunk token) answers exactly as SGLang's own route,
 the same documents in another order are served from the chunks the first request stored, and a
@@ -137,6 +138,40 @@ def test_langchain_stuff_documents_chain_is_served_from_the_chunk_cache(passages
                                "input": "Which island is named?"})
         assert isinstance(answer, str) and answer.strip()
         assert discovered() == before + 1
+
+
+def test_llamaindex_response_synthesizer_is_served_from_the_chunk_cache(passages, picrag_server, tokenizer):
+    """LlamaIndex's own answer step (a compact response synthesizer over retrieved nodes, its
+    default question-answering template) through `OpenAILike`: the nodes' texts are found in the
+    prompt, and the same nodes in another order are served from the chunks the first call stored."""
+    from llama_index.core import PromptHelper, get_response_synthesizer
+    from llama_index.core.schema import NodeWithScore, TextNode
+    from llama_index.llms.openai_like import OpenAILike
+
+    llm = OpenAILike(api_base=f"{picrag_server.url}/v1", api_key="unused", model="default", is_chat_model=True,
+                     temperature=0, max_tokens=MAX_TOKENS, max_retries=0, timeout=600, context_window=8192)
+    # LlamaIndex counts tokens with tiktoken unless told otherwise, which downloads its encodings:
+    # the served model's own tokenizer instead (configuration a user passes, not a change to the client).
+    helper = PromptHelper(context_window=8192, num_output=MAX_TOKENS,
+                          tokenizer=lambda text: tokenizer(text, add_special_tokens=False)["input_ids"])
+    synthesizer = get_response_synthesizer(llm=llm, prompt_helper=helper, response_mode="compact")
+
+    def ask(order: list[int]) -> str:
+        nodes = [NodeWithScore(node=TextNode(text=passages[i]), score=1.0) for i in order]
+        return str(synthesizer.synthesize("Which island is named?", nodes=nodes))
+
+    with picrag_server.client() as http:
+        def discovered() -> float:
+            text = http.get("/picrag/metrics").text
+            return float(re.search(r"^picrag_frontend_discovered_prompts_total ([0-9.]+)$", text, re.M).group(1))
+
+        before = discovered()
+        assert ask([0, 1, 2, 3]).strip()
+        hits = runtime_counter(picrag_server.runtime_url, "chunk_hits")
+        assert ask([2, 0, 3, 1]).strip()
+        assert discovered() == before + 2
+    # Every passage of the second call was stored by the first: four chunk hits at least.
+    assert runtime_counter(picrag_server.runtime_url, "chunk_hits") - hits >= 4
 
 
 def test_what_this_path_does_not_translate_keeps_sglangs_route(client, passages):
