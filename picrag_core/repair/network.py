@@ -54,10 +54,6 @@ class ChunkInputs:
     def cat(parts: list[ChunkInputs]) -> ChunkInputs:
         return ChunkInputs(torch.cat([p.hidden for p in parts]), torch.cat([p.reinjected for p in parts], dim=1))
 
-    @property
-    def nbytes(self) -> int:
-        return self.hidden.nbytes + self.reinjected.nbytes
-
 
 class StreamCompression(nn.Module):
     """One independent D -> C linear map per (layer, head, K|V) stream."""
