@@ -131,6 +131,9 @@ class Evaluation:
     # whose greedy first token matches it; None without a reader or questions.
     first_token_kl: float | None = None
     first_token_agreement: float | None = None
+    # One entry per group (shard): its tokens, loss and, where measured, first-token KL and
+    # agreement, so that a comparison of two checkpoints can be paired group by group.
+    per_group: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -167,24 +170,29 @@ def evaluate(network: RepairNetwork, stats: KVStats, paths: list[Path], reader: 
     network.eval()
     errors = RelativeError(network.config.num_layers)
     loss_sum, elements, tokens = 0.0, 0, 0
-    kls, agreements = [], []
+    kls, agreements, per_group = [], [], []
     for path in paths:
         pair = Pair.load(path)
         with in_precision(torch.device("cpu"), precision):
             prediction, target = pair_outputs(network, stats, pair)
         prediction = prediction.float()
-        loss_sum += float(F.mse_loss(prediction, target, reduction="sum"))
+        group_loss = float(F.mse_loss(prediction, target, reduction="sum"))
+        loss_sum += group_loss
         elements += target.numel()
         tokens += pair.tokens
         errors.add(pair, *stats.denormalise_residual(prediction[0], prediction[1]))
+        figures = {"group": path.name, "tokens": pair.tokens, "loss": group_loss / target.numel()}
         if reader is not None and pair.question_ids is not None:
             logits = repaired_logits(reader, stats, pair, prediction)
             kls.append(float(answer_kl(logits, pair.teacher_logits, 1)))
             agreements.append(int(logits[-1].argmax()) == int(pair.teacher_logits[-1].argmax()))
+            figures |= {"first_token_kl": kls[-1], "first_token_agreement": agreements[-1]}
+        per_group.append(figures)
     network.train(was_training)
     rel_k, rel_v, overall_k, overall_v = errors.ratios()
     answers = (sum(kls) / len(kls), sum(agreements) / len(agreements)) if kls else (None, None)
-    return Evaluation(loss_sum / elements, tokens, len(paths), rel_k, rel_v, overall_k, overall_v, *answers)
+    return Evaluation(loss_sum / elements, tokens, len(paths), rel_k, rel_v, overall_k, overall_v, *answers,
+                      per_group=per_group)
 
 
 def answer_reader(pairs_dir: Path, model_dir: Path) -> FrozenReader | None:

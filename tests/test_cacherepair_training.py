@@ -307,6 +307,11 @@ def test_tiny_pairs_train_and_eval(maker, default_model_dir, shared_qa, tmp_path
     report = json.loads((checkpoint / "eval_train.json").read_text())
     assert report["precision"] == "float32"
     assert report["overall_k"] == pytest.approx(after.overall_k) and len(report["relative_v"]) == 30
+    # Per group: every shard once, with its tokens and loss; the overall loss is their weighted mean.
+    groups = report["per_group"]
+    assert [g["group"] for g in groups] == [p.name for p in train_paths]
+    assert sum(g["tokens"] for g in groups) == report["tokens"]
+    assert report["loss"] == pytest.approx(groups[0]["loss"]) and len(groups) == 1
     assert "layer  K before" in capsys.readouterr().out
 
 
