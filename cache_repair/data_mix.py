@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from cache_repair.groups import SPLITS, GroupsError, GroupShape, gold_passage_rows, plan_groups, training_rows
-from cache_repair.row_groups import RowVariants, held_out_rows, plan_row_groups, training_candidates
+from cache_repair.row_groups import RowVariants, allocate, held_out_rows, plan_row_groups, training_candidates
 from cache_repair.serving_plan import ChunkSource, ServedGroup, ServingPlan
 from retrieval.qa_rows import QARow
 
@@ -77,16 +77,6 @@ def fractions(sources: list[Source], sizes: list[int]) -> list[float]:
                           "that has no share")
     rest = sum(sizes[i] for i in free)
     return [share if share is not None else (1.0 - fixed) * sizes[i] / rest for i, share in enumerate(given)]
-
-
-def allocate(total: int, weights: list[float]) -> list[int]:
-    """`total` split by `weights` (summing to 1) into whole numbers: largest remainders first."""
-    exact = [total * weight for weight in weights]
-    counts = [math.floor(x) for x in exact]
-    by_remainder = sorted(range(len(weights)), key=lambda i: (counts[i] - exact[i], i))
-    for i in by_remainder[: total - sum(counts)]:
-        counts[i] += 1
-    return counts
 
 
 def plan_mix(sources: list[Source], groups: int | None, val_groups: int, shape: GroupShape,

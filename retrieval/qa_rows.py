@@ -27,6 +27,7 @@ class QARow:
     answers: tuple[str, ...] = ()
     passages: tuple[PromptPassage, ...] = ()
     supporting: tuple[bool, ...] = ()  # per passage: the dataset marks it supporting
+    kind: str = ""  # the dataset's question type (HotpotQA's and 2Wiki's `type`, MuSiQue's `hops`), if any
 
     @property
     def supporting_passages(self) -> tuple[PromptPassage, ...]:
@@ -46,9 +47,11 @@ def _row(record: Any) -> QARow:
     if not isinstance(passages, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
                                                  for p in passages):
         raise ValueError("`passages` must be a list of objects with a string `text`")
+    meta = record.get("meta") if isinstance(record.get("meta"), dict) else {}
     return QARow(qid, question, tuple(str(a) for a in record.get("answers") or ()),
                  tuple(PromptPassage(str(p.get("title") or ""), p["text"]) for p in passages),
-                 tuple(bool(p.get("is_supporting")) for p in passages))
+                 tuple(bool(p.get("is_supporting")) for p in passages),
+                 str(meta.get("type") or meta.get("hops") or ""))
 
 
 def iter_qa_rows(path: Path) -> Iterator[QARow]:

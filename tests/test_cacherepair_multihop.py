@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from cache_repair.cli import register
-from cache_repair.data_mix import DataSpec, allocate, fractions, plan_mix, read_source
+from cache_repair.data_mix import DataSpec, fractions, plan_mix, read_source
+from cache_repair.row_groups import allocate
 from cache_repair.groups import GroupsError, GroupShape
 from cache_repair.pairs import Pair, PairMaker, chunk_name, shard_paths
 from cache_repair.row_groups import RowVariants
@@ -77,6 +78,18 @@ def test_validation_shares_no_row_or_passage_with_training(sources, plan, shared
     assert len({r for d, r in rows["train"] if d == 1}) > 450
     dev = {json.loads(line)["question"] for path in shared_qa.glob("*.dev.jsonl") for line in path.open()}
     assert not {row_of(sources, g).question for split in plan.groups for g in plan.groups[split]} & dev
+
+
+def test_validation_asks_each_sets_question_types_in_their_proportions(sources, plan):
+    """Stratified by set and by the dataset's question type (within one validation group of each
+    type's share of the set's rows), not drawn where passages are least shared alone (which made
+    half of a 16-group validation yes/no comparisons)."""
+    for d, source in enumerate(sources):
+        held = Counter(row_of(sources, g).kind for g in plan.groups["val"] if g.data == d)
+        kinds = Counter(row.kind for row in source.rows)
+        assert "" not in kinds and len(kinds) >= 2, kinds  # every multi-hop row has a type
+        for kind, rows in kinds.items():
+            assert abs(held[kind] - sum(held.values()) * rows / len(source.rows)) < 1, (d, held, kinds)
 
 
 def test_a_passage_that_recurs_is_one_chunk(sources, plan):
