@@ -4,6 +4,7 @@ pipeline giving its share back in two steps."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -117,3 +118,73 @@ def test_the_frontend_admits_links_by_the_runtimes_pool(picrag_server):
     with httpx.Client(base_url=picrag_server.runtime_url, timeout=30) as runtime:
         assert pool_tokens(runtime.get("/get_server_info").json()) == 16384  # the test server's --max-total-tokens
     assert "reports no KV pool size" not in picrag_server.log.read_text()
+
+
+def test_a_smaller_pool_admits_the_next_once_enough_is_back_and_a_larger_one_wakes_waiters():
+    async def scenario():
+        budget = KVBudget(1000)
+        first = await budget.hold(600, [], [])
+        budget.resize(500)  # an engine went: what runs keeps its share
+        assert budget.used == 600
+        waiting = asyncio.ensure_future(budget.hold(400, [], []))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        budget.resize(1000)  # it is back
+        second = await waiting
+        budget.resize(500)
+        first.release()  # 400 of 500 used: room for 100
+        assert (await budget.hold(100, [], [])) and budget.used == 500
+        with pytest.raises(ValueError, match="positive"):
+            budget.resize(0)
+        second.release()
+
+    asyncio.run(scenario())
+
+
+def test_behind_a_gateway_the_budget_follows_the_engines_it_routes_to(default_model_dir):
+    """Engines die and come back behind SGLang's gateway: the frontend's health probe reads the
+    gateway's count of engines it can route to, and linked prompts share only their pools (the
+    soak that killed one of two engines ran the survivor with 7,968 of its 8,192 tokens locked)."""
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    from tests.fake_runtime import FakeRuntime
+    from tests.inprocess_frontend import frontend, serving, wait_for
+
+    class Gateway(FakeRuntime):
+        live = 2
+
+        async def _server_info(self, request: Request) -> Response:
+            return JSONResponse({"context_length": 4096, "max_req_input_len": 4096, "max_total_num_tokens": 8192})
+
+        async def _readiness(self, request: Request) -> Response:
+            await self._count(request)
+            return JSONResponse({"status": "ready" if self.live else "not ready", "healthy_workers": self.live,
+                                 "total_workers": 2}, 200 if self.live else 503)
+
+        def app(self):
+            app = super().app()
+            app.router.routes.append(Route("/readiness", self._readiness))
+            return app
+
+    gateway = Gateway(default_model_dir)
+    with serving(gateway.app(), graceful_shutdown_s=1) as gateway_url:
+        from rag_server.api.app import create_app
+
+        app = create_app(gateway_url, health_interval_s=0.1, engines=2)
+        with serving(app):
+            budget = app.state.frontend.pipeline.budget
+            assert budget.capacity == 2 * 8192
+            gateway.live = 1
+            wait_for(lambda: budget.capacity == 8192)
+            gateway.live = 0  # none: one pool's worth stays, for the first engine back
+            time.sleep(0.5)
+            assert budget.capacity == 8192
+            gateway.live = 2
+            wait_for(lambda: budget.capacity == 2 * 8192)
+    # One engine (no gateway): nothing reads /readiness.
+    single = Gateway(default_model_dir)
+    with serving(single.app(), graceful_shutdown_s=1) as url, frontend(url, health_interval_s=0.1):
+        wait_for(lambda: single.calls["/health"] >= 3)
+        assert single.calls["/readiness"] == 0

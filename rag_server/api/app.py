@@ -107,6 +107,8 @@ def create_app(
 @asynccontextmanager
 async def _running(app: FastAPI, settings: FrontendSettings) -> AsyncIterator[None]:
     app.state.frontend = await Frontend.open(settings)
+    if settings.engines > 1:  # behind the gateway: the KV budget follows the engines it routes to
+        app.state.health.on_live_engines = app.state.frontend.engines_live
     try:
         await app.state.health.start()
         yield

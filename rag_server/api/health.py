@@ -7,7 +7,9 @@ runtime nothing and cannot take the connections that real requests use. `picrag 
 SGLang with its `/health` reporting the server's state without generating a token, and watches
 the runtime's processes itself (rag_server/launch/runtime.py): a dead runtime is reported at
 once (`mark_dead`), without waiting for the next probe. A runtime whose scheduler stalled is
-reported by its ProgressWatchdog (rag_server/api/progress_watchdog.py).
+reported by its ProgressWatchdog (rag_server/api/progress_watchdog.py). Behind SGLang's gateway
+(several engines), each probe also reads how many engines the gateway can route to
+(`/readiness`) and hands the count to `on_live_engines` (the frontend's KV budget follows it).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -52,6 +55,7 @@ class HealthMonitor:
         self._dead: str | None = None
         self._task: asyncio.Task | None = None
         self._watchdog = watchdog
+        self.on_live_engines: Callable[[int], None] | None = None  # set for a gateway over several engines
 
     async def start(self) -> None:
         """One probe now (the frontend starts knowing its runtime's state), then every interval."""
@@ -77,7 +81,16 @@ class HealthMonitor:
             logger.log(logging.INFO if probe.ok else logging.WARNING, "runtime %s",
                        "healthy again" if probe.ok else f"unhealthy: {probe.error}")
         self._last = probe
+        if self.on_live_engines is not None:
+            await self._count_live_engines()
         return probe
+
+    async def _count_live_engines(self) -> None:
+        try:
+            live = int((await self._client.get("/readiness")).json()["healthy_workers"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return  # no count this time: what the last one said stands
+        self.on_live_engines(live)
 
     async def _probe_forever(self) -> None:
         while True:

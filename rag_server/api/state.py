@@ -51,6 +51,20 @@ class Frontend:
     special_prefix: list[int]  # what the tokenizer puts before any text (chunk-marked prompts)
     forward_limits: ForwardLimits  # what a body forwarded to the runtime is checked against
     discovery: PromptDiscovery  # chat, completions and /generate prompts with passages inside
+    engine_pool: Optional[int] = None  # one engine's KV pool (tokens); None: the runtime did not say
+
+    def engines_live(self, live: int) -> None:
+        """The gateway routes to `live` engines now: linked prompts share their pools only
+        (rag_server/linking/kv_budget.py). None live keeps one pool's worth: requests fail at the
+        gateway then, and the budget must not stop the first that could run when one is back."""
+        budget = self.pipeline.budget
+        if budget is None or self.engine_pool is None:
+            return
+        capacity = self.engine_pool * max(live, 1)
+        if capacity != budget.capacity:
+            logger.warning("%d engine(s) live behind the gateway: linked prompts now share %d KV tokens (were %d)",
+                           live, capacity, budget.capacity)
+            budget.resize(capacity)
 
     @classmethod
     async def open(cls, settings: FrontendSettings) -> Frontend:
@@ -81,7 +95,7 @@ class Frontend:
         chat_defaults = await asyncio.to_thread(generation_defaults, model_dir, server_info.get("sampling_defaults"))
         return cls(client, pipeline, rag, info.get("served_model_name") or info["model_path"], special_prefix,
                    ForwardLimits(rag.limits.context_length, settings.pass_unlisted_fields),
-                   PromptDiscovery(rag, settings.discovery, special_prefix, chat_defaults))
+                   PromptDiscovery(rag, settings.discovery, special_prefix, chat_defaults), pool)
 
     async def aclose(self) -> None:
         await self.rag.quality.shadow.aclose()

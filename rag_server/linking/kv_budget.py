@@ -14,6 +14,12 @@ has come back (the graft is done: the request's own slots hold their KV), its ro
 new tokens) when its response ends. A piece several prompts in flight share counts once. A
 prompt that waits for room waits in arrival order; one larger than the whole pool runs alone,
 never refused here (the runtime says what it can serve).
+
+Behind a gateway the pools are the engines' together, and an engine that dies takes its pool
+with it: the budget follows the engines the gateway can route to (`resize`, from the frontend's
+health probe), or the survivors get the dead engine's share too, their pools overfill and grafts
+are skipped (a 30-minute soak with one of two engines killed ran its last engine at 7,968 of
+8,192 tokens locked).
 """
 
 from __future__ import annotations
@@ -41,6 +47,14 @@ class KVBudget:
         self._pieces: Counter[str] = Counter()  # content key -> holders
         self._piece_tokens: dict[str, int] = {}
         self._waiting: deque[_Turn] = deque()
+
+    def resize(self, capacity: int) -> None:
+        """The pool is now `capacity` tokens: prompts admitted already keep their share (a
+        smaller pool admits the next only once enough is given back); waiters fit into a larger one."""
+        if capacity < 1:
+            raise ValueError(f"a KV budget needs a positive capacity, not {capacity}")
+        self.capacity = capacity
+        self._wake()
 
     @property
     def used(self) -> int:
