@@ -228,7 +228,7 @@ def _serve_engines(args: argparse.Namespace) -> int:
                          discovery=DiscoverySettings(args.discover_chunks == "on", args.discover_min_chunk_tokens,
                                                      args.discover_min_linked_tokens),
                          client_idle_timeout_s=args.client_idle_timeout, watchdog_timeout_s=watchdog_timeout,
-                         engines=max(args.replicas, len(args.worker_url or ())),
+                         engine_urls=runtime.engine_urls,
                          # Off the event loop: stopping the runtime waits for its processes.
                          on_stall=lambda reason: threading.Thread(target=give_up, args=(reason,)).start())
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",

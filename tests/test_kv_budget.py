@@ -172,7 +172,7 @@ def test_behind_a_gateway_the_budget_follows_the_engines_it_routes_to(default_mo
     with serving(gateway.app(), graceful_shutdown_s=1) as gateway_url:
         from rag_server.api.app import create_app
 
-        app = create_app(gateway_url, health_interval_s=0.1, engines=2)
+        app = create_app(gateway_url, health_interval_s=0.1, engine_urls=(gateway_url, gateway_url))
         with serving(app):
             budget = app.state.frontend.pipeline.budget
             assert budget.capacity == 2 * 8192

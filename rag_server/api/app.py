@@ -24,7 +24,7 @@ from rag_server.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from rag_server.api.client_timeouts import DEFAULT_CLIENT_IDLE_TIMEOUT_S, ClientTimeouts
 from rag_server.api.health import DEFAULT_INTERVAL_S, HealthMonitor
 from rag_server.api.progress_watchdog import ProgressWatchdog
-from rag_server.api.runtime_metrics import metrics_client
+from rag_server.api.runtime_metrics import EngineMetrics
 from rag_server.api.request_stats import RequestStats
 from rag_server.api.state import Frontend, FrontendSettings
 from rag_server.api.upstream import UpstreamTimeouts
@@ -54,7 +54,7 @@ def create_app(
     client_idle_timeout_s: float = DEFAULT_CLIENT_IDLE_TIMEOUT_S,
     watchdog_timeout_s: float | None = None,
     on_stall: Callable[[str], None] | None = None,
-    engines: int = 1,
+    engine_urls: Sequence[str] = (),
 ) -> FastAPI:
     """The frontend for a runtime that is already up. `model_path` (default: the runtime's)
     gives the tokenizer and context window; `index_dir` the passage index to retrieve from.
@@ -72,18 +72,19 @@ def create_app(
     (rag_server/linking/chunk_discovery.py). `client_idle_timeout_s`: how long a client may stall
     its body or its answer (rag_server/api/client_timeouts.py). `watchdog_timeout_s`: a scheduler
     with work and no progress for this long makes /health 503 and calls `on_stall`
-    (rag_server/api/progress_watchdog.py; None: no watchdog). `engines`: how many engines stand
-    behind `runtime_url` (replicas behind the gateway): linked prompts in flight share that many
-    KV pools (rag_server/linking/kv_budget.py)."""
+    (rag_server/api/progress_watchdog.py; None: no watchdog). `engine_urls`: the engines behind
+    `runtime_url` when it is the gateway's (replicas): linked prompts in flight share that many KV
+    pools (rag_server/linking/kv_budget.py), and /metrics scrapes each (rag_server/api/runtime_metrics.py);
+    none: `runtime_url` is the one engine."""
     settings = FrontendSettings(runtime_url, policies or PolicyResolver.start(), model_path, index_dir, timeouts,
                                 quality, pass_unlisted_fields=pass_unlisted_fields, discovery=discovery,
-                                engines=engines)
+                                engines=max(1, len(engine_urls)))
 
     app = FastAPI(title="picrag", version="0.1.0", lifespan=lambda app: _running(app, settings))
     watchdog = None if watchdog_timeout_s is None else ProgressWatchdog(
         runtime_url, watchdog_timeout_s, health_interval_s, timeouts.connect_s, on_stall)
     app.state.health = HealthMonitor(runtime_url, health_interval_s, timeouts.connect_s, watchdog=watchdog)
-    app.state.metrics_client = metrics_client(runtime_url, timeouts.connect_s)
+    app.state.engine_metrics = EngineMetrics.open(tuple(engine_urls) or (runtime_url,), timeouts.connect_s)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.state.request_stats = RequestStats()
     for routes in (health, page, rag_api, openai_chat, quality_routes, native_routes, runtime_metrics, proxy):
@@ -114,5 +115,5 @@ async def _running(app: FastAPI, settings: FrontendSettings) -> AsyncIterator[No
         yield
     finally:
         await app.state.health.aclose()
-        await app.state.metrics_client.aclose()
+        await app.state.engine_metrics.aclose()
         await app.state.frontend.aclose()

@@ -8,7 +8,7 @@ with the key the user typed into the page:
 - `GET /picrag/policies`: the policy menu: every family of picrag_core.policies with whether
   this server serves it, then `auto`, and the default (rag_server/linking/policy_resolver.py);
 - `GET /picrag/stats`: RAG answers per policy with their TTFT p50/p90
-  (rag_server/api/request_stats.py), and the runtime's picrag counters from its /metrics;
+  (rag_server/api/request_stats.py), and the engines' picrag counters from their /metrics;
 - `POST /rag/query` with `"stream": true` for the answer, and `GET /picrag/quality` for the
   shadow-quality panel, shown only where the server answers it.
 """
@@ -18,12 +18,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse
 
 from rag_server.api.request_stats import request_stats
-from rag_server.api.runtime_metrics import picrag_counters
+from rag_server.api.runtime_metrics import MetricsUnavailable, picrag_counters
 from rag_server.api.state import frontend
 
 logger = logging.getLogger(__name__)
@@ -64,13 +63,12 @@ async def policies(request: Request) -> dict:
 @router.get("/picrag/stats")
 async def stats(request: Request) -> dict:
     """The frontend's RAG answers per policy (requests, tokens, TTFT p50/p90 in ms) and the
-    runtime's picrag counters (`cache`: null, with `cache_error`, when its /metrics fails)."""
+    engines' picrag counters, summed (`cache`: null, with `cache_error`, when no engine's /metrics answers)."""
     summary = request_stats(request).summary()
     try:
-        response = await frontend(request).client.get("/metrics")
-        response.raise_for_status()
-        counters = picrag_counters(response.text)
-    except httpx.HTTPError as exc:
+        text, _ = await request.app.state.engine_metrics.exposition()
+        counters = picrag_counters(text)
+    except MetricsUnavailable as exc:
         logger.warning("runtime /metrics for /picrag/stats failed: %s", exc)
         return {**summary, "cache": None, "cache_error": f"runtime /metrics: {exc}"}
     return {**summary, "cache": {"counters": counters, "chunk_hit_rate": hit_rate(counters)}, "cache_error": None}

@@ -1,16 +1,26 @@
-"""`GET /metrics`: SGLang's Prometheus metrics, fetched over a connection pool of their own.
+"""`GET /metrics`: the engines' Prometheus metrics, fetched over connection pools of their own.
 
 /metrics is never queued (rag_server/api/admission.py): monitoring must answer when the server
 is saturated. Relayed over the runtime client, each scrape took a connection of the pool real
 requests use, so a flood of scrapes against a slow runtime could take all of them. Here scrapes
-share CONNECTIONS connections of their own: a flood waits for those (or gives up after
+share CONNECTIONS connections per engine: a flood waits for those (or gives up after
 FETCH_TIMEOUT_S), and real requests never wait for a scrape. Every scrape is fetched when asked,
 so counters read after a request include it.
+
+Behind the gateway (`picrag serve --replicas N`, `--worker-url`) the engines are scraped each,
+not through the gateway: the gateway's own /metrics holds none of the engines' counters, and a
+reader of picrag's counters (`/picrag/stats`, the benches) would have read nothing. Their
+expositions are merged into one, every sample labelled with its engine (`engine="0"`...), the
+way a Prometheus server labels the targets it scrapes; an engine that does not answer is left
+out and counted in `picrag_metrics_engines_unreachable`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from dataclasses import dataclass
+from typing import Sequence
 
 import httpx
 from fastapi import APIRouter, Request, Response
@@ -21,17 +31,102 @@ logger = logging.getLogger(__name__)
 CONNECTIONS = 2
 FETCH_TIMEOUT_S = 30.0
 COUNTER_PREFIX = "picrag_"
+ENGINE_LABEL = "engine"
+EXPOSITION_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def metrics_client(runtime_url: str, connect_timeout_s: float) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=runtime_url, timeout=httpx.Timeout(FETCH_TIMEOUT_S, connect=connect_timeout_s),
-                             limits=httpx.Limits(max_connections=CONNECTIONS))
+class MetricsUnavailable(Exception):
+    """No engine answered /metrics; `status` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class EngineMetrics:
+    """A scrape client per engine (one: its exposition relayed as it is; several: merged)."""
+
+    clients: tuple[httpx.AsyncClient, ...]
+
+    @classmethod
+    def open(cls, engine_urls: Sequence[str], connect_timeout_s: float) -> "EngineMetrics":
+        timeout = httpx.Timeout(FETCH_TIMEOUT_S, connect=connect_timeout_s)
+        return cls(tuple(httpx.AsyncClient(base_url=url, timeout=timeout,
+                                           limits=httpx.Limits(max_connections=CONNECTIONS))
+                         for url in engine_urls))
+
+    async def exposition(self) -> tuple[str, str]:
+        """The metrics text and its content type; raises MetricsUnavailable when no engine answers."""
+        answers = await asyncio.gather(*(_scrape(client) for client in self.clients))
+        texts = {str(i): answer for i, answer in enumerate(answers) if isinstance(answer, httpx.Response)}
+        if not texts:
+            error = answers[0]
+            status = 504 if isinstance(error, httpx.TimeoutException) else 503
+            raise MetricsUnavailable(f"runtime unavailable: {error!r}", status)
+        if len(self.clients) == 1:
+            response = answers[0]
+            return response.text, response.headers.get("content-type", "text/plain")
+        for i, answer in enumerate(answers):
+            if not isinstance(answer, httpx.Response):
+                logger.warning("engine %d (%s) /metrics failed: %r", i, self.clients[i].base_url, answer)
+        unreachable = len(self.clients) - len(texts)
+        return merged_exposition({i: r.text for i, r in texts.items()}, unreachable), EXPOSITION_TYPE
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(client.aclose() for client in self.clients))
+
+
+async def _scrape(client: httpx.AsyncClient) -> httpx.Response | httpx.HTTPError:
+    try:
+        response = await client.get("/metrics")
+        response.raise_for_status()
+        return response
+    except httpx.HTTPError as exc:
+        return exc
+
+
+def merged_exposition(texts: dict[str, str], unreachable: int = 0) -> str:
+    """One Prometheus text exposition of several engines' (`texts` by engine label): each family
+    once, with every engine's samples labelled `engine="<label>"`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, tuple[str, str, list[str]]] = {}
+    for engine, text in texts.items():
+        for family in text_string_to_metric_families(text):
+            _, _, lines = families.setdefault(family.name, (family.type, family.documentation, []))
+            for sample in family.samples:
+                labels = {**sample.labels, ENGINE_LABEL: engine}
+                rendered = ",".join(f'{key}="{_escaped(value)}"' for key, value in labels.items())
+                lines.append(f"{sample.name}{{{rendered}}} {_number(sample.value)}")
+    out: list[str] = []
+    for name, (kind, documentation, lines) in families.items():
+        # The parser drops a counter's `_total` (an info's `_info`) from the family name; the text
+        # format names the family as its samples are named.
+        name += {"counter": "_total", "info": "_info"}.get(kind, "")
+        out += [f"# HELP {name} {_escaped_help(documentation)}", f"# TYPE {name} {kind}", *lines]
+    out += ["# HELP picrag_metrics_engines_unreachable Engines whose /metrics did not answer this scrape.",
+            "# TYPE picrag_metrics_engines_unreachable gauge", f"picrag_metrics_engines_unreachable {unreachable}"]
+    return "\n".join(out) + "\n"
+
+
+def _escaped(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _escaped_help(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    return repr(float(value)) if value == value and abs(value) != float("inf") else \
+        ("NaN" if value != value else ("+Inf" if value > 0 else "-Inf"))
 
 
 def picrag_counters(metrics_text: str) -> dict[str, float]:
     """Every picrag counter in a Prometheus text exposition (the engine's /metrics, the frontend's
     /picrag/metrics), by its name without the prefix (`picrag_chunk_hits_total` -> `chunk_hits`),
-    summed over label sets (one per process, or per policy and prompt size)."""
+    summed over label sets (one per process or engine, or per policy and prompt size)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     counters: dict[str, float] = {}
@@ -48,12 +143,10 @@ router = APIRouter()
 
 @router.get("/metrics", include_in_schema=False)
 async def metrics(request: Request) -> Response:
-    client: httpx.AsyncClient = request.app.state.metrics_client
+    engines: EngineMetrics = request.app.state.engine_metrics
     try:
-        upstream = await client.get("/metrics")
-    except httpx.HTTPError as exc:
-        logger.error("runtime /metrics failed: %r", exc)
-        status = 504 if isinstance(exc, httpx.TimeoutException) else 503
-        return JSONResponse({"error": f"runtime unavailable: {exc!r}"}, status)
-    return Response(upstream.content, upstream.status_code,
-                    media_type=upstream.headers.get("content-type", "text/plain"))
+        text, content_type = await engines.exposition()
+    except MetricsUnavailable as exc:
+        logger.error("runtime /metrics failed: %s", exc)
+        return JSONResponse({"error": str(exc)}, exc.status)
+    return Response(text, 200, media_type=content_type)

@@ -167,6 +167,11 @@ class ReplicaSet:
     def url(self) -> str:
         return self.gateway.url
 
+    @property
+    def engine_urls(self) -> tuple[str, ...]:
+        """The engines behind the gateway."""
+        return tuple(self.engines.urls)
+
     def start(self, timeout_s: float = 600.0) -> None:
         self.engines.start(timeout_s)
         try:
@@ -213,11 +218,17 @@ class ExternalEngines:
                                 log_file=_log_of(log_file, "gateway"))
                         if worker_urls else None)
         self._runtime_url = runtime_url
+        self._worker_urls = tuple(worker_urls)
         self._watching = threading.Event()
 
     @property
     def url(self) -> str:
         return self.gateway.url if self.gateway is not None else self._runtime_url
+
+    @property
+    def engine_urls(self) -> tuple[str, ...]:
+        """The engines behind the gateway picrag starts; a `runtime_url` counts as one engine."""
+        return self._worker_urls or (self._runtime_url,)
 
     def start(self, timeout_s: float = 600.0) -> None:
         if self.gateway is not None:

@@ -196,6 +196,11 @@ class SGLangRuntime:
     def url(self) -> str:
         return self.config.url
 
+    @property
+    def engine_urls(self) -> tuple[str, ...]:
+        """The engines that serve requests: this one."""
+        return (self.url,)
+
     def start(self, timeout_s: float = 600.0) -> None:
         c = self.config
         logger.info(
