@@ -23,7 +23,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
+from rag_server.api.runtime_metrics import picrag_counters
 from rag_server.launch.gateway import ROUTING_POLICY, Gateway, GatewayConfig, GatewayStartError
 from rag_server.launch.ports import PORTS_FROM, ephemeral_low
 from rag_server.launch.replicas import ExternalEngines, ReplicaSet, engines_for, replica_configs
@@ -271,6 +273,14 @@ def test_a_chunk_compiled_on_one_replica_is_loaded_from_the_store_on_the_other(r
     assert after.get("chunk_misses", 0) == before.get("chunk_misses", 0)
     assert after.get("compile_computed_tokens", 0) == before.get("compile_computed_tokens", 0)
     assert_same_answer(response.json(), answer)
+    # picrag serve's /metrics holds both engines' counters, each labelled (through the gateway it
+    # read the gateway's 404 and counted nothing).
+    engines = replicas.counters()
+    with replicas.server.client() as client:
+        text = client.get("/metrics").text
+    assert {s.labels["engine"] for f in text_string_to_metric_families(text) if f.name == "picrag_disk_loads"
+            for s in f.samples} == {"0", "1"}
+    assert picrag_counters(text)["disk_loads"] == sum(e.get("disk_loads", 0) for e in engines) > 0
 
 
 @pytest.mark.slow
