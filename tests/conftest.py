@@ -20,6 +20,7 @@ import json
 import shlex
 import signal
 import subprocess
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -154,10 +155,27 @@ def start_picrag_server(log: Path, extra_args: list[str], default_corpus: bool =
             patch.setenv("PICRAG_HOME", str(home))
         index_args = ["--default-corpus-passages", "40"] if default_corpus else ["--no-index"]
         try:
-            process = start_picrag_serve(port, [*index_args, *extra_args], log)
+            process = start_picrag_serve(port, [*index_args, *extra_args], log, start=serve_zygote().spawn)
         except ServeStartError as exc:
             pytest.fail(str(exc))
     return ServerHandle(f"http://127.0.0.1:{port}", process, log, home)
+
+
+_zygotes: list = []
+
+
+def serve_zygote():
+    """This worker's tests.serve_zygote.ServeZygote, started on first use, closed with the session."""
+    if not _zygotes:
+        from tests.serve_zygote import ServeZygote
+
+        _zygotes.append(ServeZygote(Path(tempfile.mkdtemp(prefix="picrag-serve-zygote-"))))
+    return _zygotes[0]
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    for zygote in _zygotes:
+        zygote.close()
 
 
 def stop_picrag_server(handle: ServerHandle) -> None:

@@ -131,7 +131,7 @@ SGLANG_MODULES = ("sglang.launch_server", "sglang.srt.entrypoints.http_server", 
                   "sglang.srt.managers.detokenizer_manager", "sglang.srt.models.registry")
 
 
-def _import_sglang() -> None:
+def import_sglang() -> None:
     """SGLang imported and the plugins loaded: the forked processes find `load_plugins`' guard
     set and keep the hooks registered here."""
     import importlib
@@ -181,7 +181,7 @@ def _stop(pid: int) -> None:
 
 
 def _serve() -> None:
-    _import_sglang()
+    import_sglang()
     answer = sys.stdout
     answer.write(READY + "\n")
     answer.flush()

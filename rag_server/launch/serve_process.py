@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import IO, Callable
 
 import httpx
 
@@ -55,15 +55,23 @@ def stop_with_parent() -> Callable[[], None]:
     return arm
 
 
-def start_picrag_serve(port: int, extra_args: list[str], log: Path, timeout_s: float = 600) -> subprocess.Popen:
-    """Start `picrag serve` on `port`, its output and the runtime's in `log`; wait for /health."""
+def spawn(command: list[str], out: IO[bytes]) -> subprocess.Popen:
+    """`command` as a child process writing to `out`, stopped when this thread's process dies."""
+    guard = stop_with_parent() if sys.platform.startswith("linux") else None
+    return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=guard)
+
+
+def start_picrag_serve(port: int, extra_args: list[str], log: Path, timeout_s: float = 600,
+                       start: Callable[[list[str], IO[bytes]], subprocess.Popen] = spawn) -> subprocess.Popen:
+    """Start `picrag serve` on `port`, its output and the runtime's in `log`; wait for /health.
+    `start` runs the command (the test suite forks it from a process that imported it once,
+    tests/serve_zygote.py)."""
     if port_in_use(port):
         raise ServeStartError(f"port {port} is already in use (another picrag serve?): stop it or choose another port")
     cmd = [sys.executable, "-m", "rag_server.cli", "serve", "--port", str(port),
            "--runtime-log", str(log), *extra_args]
-    guard = stop_with_parent() if sys.platform.startswith("linux") else None
     with open(log, "ab") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=guard)
+        process = start(cmd, out)
     deadline = time.monotonic() + timeout_s
     while True:
         if process.poll() is not None:
