@@ -71,6 +71,12 @@ def file_bytes(directory: Path) -> dict[str, bytes]:
 
 # Session fixtures that start a real runtime: the modules using one share a worker (see above).
 SESSION_SERVERS = ("picrag_server", "shipped_checkpoint_server")
+# Modules that use picrag_server but form a group of their own, so that the worker that takes it
+# starts an instance of its own: the benches and examples, whole runs of their own clients (about
+# 400 s of the 870 s that picrag_server's one group took, 2026-12-07: that group was the suite's
+# longest path, the other workers idle at its end).
+SECOND_INSTANCE_MODULES = frozenset({"tests/test_bench_smoke.py", "tests/test_examples.py", "tests/test_steady_bench.py"})
+SECOND_INSTANCE_GROUP = "picrag_server:benches"
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (its own hook, on every worker)
@@ -79,8 +85,9 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         module = item.nodeid.split("::")[0]
         server = next((name for name in SESSION_SERVERS if name in item.fixturenames), None)
-        if server is not None:
-            group_of_module[module] = server  # a module using both would need one group for both
+        if server is not None:  # a module using both would need one group for both
+            second = server == "picrag_server" and module in SECOND_INSTANCE_MODULES
+            group_of_module[module] = SECOND_INSTANCE_GROUP if second else server
         group_of_module.setdefault(module, module)
     for item in items:
         item.add_marker(pytest.mark.xdist_group(group_of_module[item.nodeid.split("::")[0]]))
@@ -91,7 +98,7 @@ def pytest_collection_modifyitems(config, items) -> None:
     # long group handed out last runs alone at the end: the session servers' groups first (most
     # end-to-end modules are in them), then every group that starts a runtime of its own (each
     # takes a minute or more), then the quick ones that fill in around them.
-    first = {name: index for index, name in enumerate(SESSION_SERVERS)}
+    first = {name: index for index, name in enumerate(("picrag_server", SECOND_INSTANCE_GROUP, "shipped_checkpoint_server"))}
     starts_runtime = {group_of_module[item.nodeid.split("::")[0]] for item in items
                       if item.get_closest_marker("e2e")}
 
