@@ -3,9 +3,10 @@ two real picrag servers shared by the session; and how the suite is split and sc
 
 Every test is marked `e2e` (it runs a real SGLang runtime: it uses one of the session's servers or
 is marked `server` or `slow`) or `unit` (fakes at most): `make test ARGS="-m unit"` runs the quick
-half. `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`); each module is
-one group, and the modules that share a session server form one group with it, so each real
-runtime starts once in a session, on one worker; those groups go first.
+half. `make test` runs the suite on three pytest-xdist workers (`--dist loadgroup`); each module
+is one group, and the modules that share a session server form one group with it, so each real
+runtime starts once in a session, on one worker; those groups go first. The servers a test starts are forked from one process per worker that
+imported `picrag serve` once (tests/serve_zygote.py).
 """
 
 from __future__ import annotations
@@ -71,12 +72,6 @@ def file_bytes(directory: Path) -> dict[str, bytes]:
 
 # Session fixtures that start a real runtime: the modules using one share a worker (see above).
 SESSION_SERVERS = ("picrag_server", "shipped_checkpoint_server")
-# Modules that use picrag_server but form a group of their own, so that the worker that takes it
-# starts an instance of its own: the benches and examples, whole runs of their own clients (about
-# 400 s of the 870 s that picrag_server's one group took, 2026-12-07: that group was the suite's
-# longest path, the other workers idle at its end).
-SECOND_INSTANCE_MODULES = frozenset({"tests/test_bench_smoke.py", "tests/test_examples.py", "tests/test_steady_bench.py"})
-SECOND_INSTANCE_GROUP = "picrag_server:benches"
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (its own hook, on every worker)
@@ -85,9 +80,8 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         module = item.nodeid.split("::")[0]
         server = next((name for name in SESSION_SERVERS if name in item.fixturenames), None)
-        if server is not None:  # a module using both would need one group for both
-            second = server == "picrag_server" and module in SECOND_INSTANCE_MODULES
-            group_of_module[module] = SECOND_INSTANCE_GROUP if second else server
+        if server is not None:
+            group_of_module[module] = server  # a module using both would need one group for both
         group_of_module.setdefault(module, module)
     for item in items:
         item.add_marker(pytest.mark.xdist_group(group_of_module[item.nodeid.split("::")[0]]))
@@ -98,7 +92,7 @@ def pytest_collection_modifyitems(config, items) -> None:
     # long group handed out last runs alone at the end: the session servers' groups first (most
     # end-to-end modules are in them), then every group that starts a runtime of its own (each
     # takes a minute or more), then the quick ones that fill in around them.
-    first = {name: index for index, name in enumerate(("picrag_server", SECOND_INSTANCE_GROUP, "shipped_checkpoint_server"))}
+    first = {name: index for index, name in enumerate(SESSION_SERVERS)}
     starts_runtime = {group_of_module[item.nodeid.split("::")[0]] for item in items
                       if item.get_closest_marker("e2e")}
 
@@ -147,12 +141,14 @@ def home_sharing_models(home: Path) -> Path:
     return home
 
 
-def start_picrag_server(log: Path, extra_args: list[str], default_corpus: bool = False) -> ServerHandle:
+def start_picrag_server(log: Path, extra_args: list[str], default_corpus: bool = False,
+                        spawned: bool = False) -> ServerHandle:
     """`picrag serve` with no passage index (tests that retrieve bring their own), or with
     `default_corpus` the default corpus's first 40 passages, built into an index under a
-    PICRAG_HOME of its own that shares the converted models of the real one."""
+    PICRAG_HOME of its own that shares the converted models of the real one. Forked from this
+    worker's zygote (tests/serve_zygote.py), or with `spawned` run as the command it is."""
     from rag_server.launch.ports import free_port
-    from rag_server.launch.serve_process import ServeStartError, start_picrag_serve
+    from rag_server.launch.serve_process import ServeStartError, spawn, start_picrag_serve
 
     port = free_port()
     home = None
@@ -162,7 +158,8 @@ def start_picrag_server(log: Path, extra_args: list[str], default_corpus: bool =
             patch.setenv("PICRAG_HOME", str(home))
         index_args = ["--default-corpus-passages", "40"] if default_corpus else ["--no-index"]
         try:
-            process = start_picrag_serve(port, [*index_args, *extra_args], log, start=serve_zygote().spawn)
+            start = spawn if spawned else serve_zygote().spawn
+            process = start_picrag_serve(port, [*index_args, *extra_args], log, start=start)
         except ServeStartError as exc:
             pytest.fail(str(exc))
     return ServerHandle(f"http://127.0.0.1:{port}", process, log, home)
@@ -245,13 +242,14 @@ def picrag_server(default_model_dir: Path, zero_repair_checkpoint: Path, tmp_pat
 
 @pytest.fixture(scope="session")
 def shipped_checkpoint_server(default_model_dir: Path, tmp_path_factory) -> ServerHandle:
-    """`picrag serve` as `make serve` starts it: its defaults' CacheRepair checkpoint (the one
-    shipped for the default model), for end-to-end tests where cacherepair must repair
-    (picrag_server's zero checkpoint makes it naive), and with no --index the default corpus
-    (40 passages of it). No shadow samples: they would be traffic of their own between a test's
-    requests."""
+    """`picrag serve` as `make serve` starts it: the command itself (the suite's one start that is
+    not forked), its defaults' CacheRepair checkpoint (the one shipped for the default model), for
+    end-to-end tests where cacherepair must repair (picrag_server's zero checkpoint makes it
+    naive), and with no --index the default corpus (40 passages of it). No shadow samples: they
+    would be traffic of their own between a test's requests."""
     log = tmp_path_factory.mktemp("shipped-server") / "server.log"
     handle = start_picrag_server(
-        log, ["--shadow-rate", "0", *shlex.split(os.environ.get("PICRAG_TEST_SERVER_ARGS", ""))], default_corpus=True)
+        log, ["--shadow-rate", "0", *shlex.split(os.environ.get("PICRAG_TEST_SERVER_ARGS", ""))], default_corpus=True,
+        spawned=True)
     yield handle
     stop_picrag_server(handle)
