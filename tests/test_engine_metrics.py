@@ -99,6 +99,9 @@ def test_one_engine_exposition_is_relayed_as_it_is(default_model_dir):
     from rag_server.api.app import create_app
 
     text = engine_text(2)
-    with serving(MetricsServer(default_model_dir, text).app(), graceful_shutdown_s=1) as runtime_url:
+    with serving((engine := MetricsServer(default_model_dir, text)).app(), graceful_shutdown_s=1) as runtime_url:
         with serving(create_app(runtime_url, health_interval_s=0.1)) as url:
             assert httpx.get(f"{url}/metrics", timeout=30).text == text
+            engine.text = None  # its status too
+            assert httpx.get(f"{url}/metrics", timeout=30).status_code == 500
+            assert "status 500" in httpx.get(f"{url}/picrag/stats", timeout=30).json()["cache_error"]

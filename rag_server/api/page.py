@@ -66,7 +66,9 @@ async def stats(request: Request) -> dict:
     engines' picrag counters, summed (`cache`: null, with `cache_error`, when no engine's /metrics answers)."""
     summary = request_stats(request).summary()
     try:
-        text, _ = await request.app.state.engine_metrics.exposition()
+        status, text, _ = await request.app.state.engine_metrics.exposition()
+        if status != 200:
+            raise MetricsUnavailable(f"status {status}", status)
         counters = picrag_counters(text)
     except MetricsUnavailable as exc:
         logger.warning("runtime /metrics for /picrag/stats failed: %s", exc)

@@ -56,22 +56,25 @@ class EngineMetrics:
                                            limits=httpx.Limits(max_connections=CONNECTIONS))
                          for url in engine_urls))
 
-    async def exposition(self) -> tuple[str, str]:
-        """The metrics text and its content type; raises MetricsUnavailable when no engine answers."""
+    async def exposition(self) -> tuple[int, str, str]:
+        """(status, metrics text, content type): one engine's answer as it is, or several engines'
+        merged from those that answer 200; MetricsUnavailable when none can be reached."""
         answers = await asyncio.gather(*(_scrape(client) for client in self.clients))
-        texts = {str(i): answer for i, answer in enumerate(answers) if isinstance(answer, httpx.Response)}
-        if not texts:
-            error = answers[0]
-            status = 504 if isinstance(error, httpx.TimeoutException) else 503
-            raise MetricsUnavailable(f"runtime unavailable: {error!r}", status)
-        if len(self.clients) == 1:
-            response = answers[0]
-            return response.text, response.headers.get("content-type", "text/plain")
+        reached = [answer for answer in answers if isinstance(answer, httpx.Response)]
+        if len(self.clients) == 1 and reached:
+            (response,) = reached
+            return response.status_code, response.text, response.headers.get("content-type", "text/plain")
+        texts = {str(i): answer.text for i, answer in enumerate(answers)
+                 if isinstance(answer, httpx.Response) and answer.status_code == 200}
         for i, answer in enumerate(answers):
-            if not isinstance(answer, httpx.Response):
-                logger.warning("engine %d (%s) /metrics failed: %r", i, self.clients[i].base_url, answer)
-        unreachable = len(self.clients) - len(texts)
-        return merged_exposition({i: r.text for i, r in texts.items()}, unreachable), EXPOSITION_TYPE
+            if str(i) not in texts:
+                logger.warning("engine %d (%s) /metrics failed: %s", i, self.clients[i].base_url,
+                               repr(answer) if isinstance(answer, Exception) else f"status {answer.status_code}")
+        if not texts:
+            errors = [answer for answer in answers if isinstance(answer, Exception)]
+            status = 504 if errors and all(isinstance(e, httpx.TimeoutException) for e in errors) else 503
+            raise MetricsUnavailable(f"runtime unavailable: {errors[0] if errors else 'no engine answered 200'!r}", status)
+        return 200, merged_exposition(texts, len(self.clients) - len(texts)), EXPOSITION_TYPE
 
     async def aclose(self) -> None:
         await asyncio.gather(*(client.aclose() for client in self.clients))
@@ -79,9 +82,7 @@ class EngineMetrics:
 
 async def _scrape(client: httpx.AsyncClient) -> httpx.Response | httpx.HTTPError:
     try:
-        response = await client.get("/metrics")
-        response.raise_for_status()
-        return response
+        return await client.get("/metrics")
     except httpx.HTTPError as exc:
         return exc
 
@@ -90,6 +91,7 @@ def merged_exposition(texts: dict[str, str], unreachable: int = 0) -> str:
     """One Prometheus text exposition of several engines' (`texts` by engine label): each family
     once, with every engine's samples labelled `engine="<label>"`."""
     from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.utils import floatToGoString
 
     families: dict[str, tuple[str, str, list[str]]] = {}
     for engine, text in texts.items():
@@ -98,7 +100,7 @@ def merged_exposition(texts: dict[str, str], unreachable: int = 0) -> str:
             for sample in family.samples:
                 labels = {**sample.labels, ENGINE_LABEL: engine}
                 rendered = ",".join(f'{key}="{_escaped(value)}"' for key, value in labels.items())
-                lines.append(f"{sample.name}{{{rendered}}} {_number(sample.value)}")
+                lines.append(f"{sample.name}{{{rendered}}} {floatToGoString(sample.value)}")
     out: list[str] = []
     for name, (kind, documentation, lines) in families.items():
         # The parser drops a counter's `_total` (an info's `_info`) from the family name; the text
@@ -116,11 +118,6 @@ def _escaped(value: str) -> str:
 
 def _escaped_help(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def _number(value: float) -> str:
-    return repr(float(value)) if value == value and abs(value) != float("inf") else \
-        ("NaN" if value != value else ("+Inf" if value > 0 else "-Inf"))
 
 
 def picrag_counters(metrics_text: str) -> dict[str, float]:
@@ -145,8 +142,8 @@ router = APIRouter()
 async def metrics(request: Request) -> Response:
     engines: EngineMetrics = request.app.state.engine_metrics
     try:
-        text, content_type = await engines.exposition()
+        status, text, content_type = await engines.exposition()
     except MetricsUnavailable as exc:
         logger.error("runtime /metrics failed: %s", exc)
         return JSONResponse({"error": str(exc)}, exc.status)
-    return Response(text, 200, media_type=content_type)
+    return Response(text, status, media_type=content_type)
