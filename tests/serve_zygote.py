@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from rag_server.launch.runtime import CPU_LAUNCH_MODULE, NO_PLUGIN, RuntimeConfig
 
@@ -171,75 +172,12 @@ class ForkingPopen(subprocess.Popen):
             os.close(errwrite)
 
 
-def _run_launcher(args: list[str], env, cwd, start_new_session: bool, streams: tuple[int, int, int]) -> None:
-    """In the forked child: `python -m sglang_patches.cpu.launch ARGS` after its imports."""
+def _exit_after(run: Callable[[], int | None]) -> None:
+    """In a forked child: `run()`, then the process ends with its exit code; it never returns
+    into the code that forked it."""
     code = 0
     try:
-        if start_new_session:
-            os.setsid()
-        for target, fd in enumerate(streams):
-            if fd != -1:  # -1: inherited, as Popen leaves it
-                os.dup2(fd, target)
-        if cwd is not None:
-            os.chdir(cwd)
-        os.environ.clear()
-        os.environ.update(env)
-        for name in [m for m in sys.modules if m.split(".")[0] in REIMPORTED]:
-            del sys.modules[name]
-        import setproctitle
-
-        # Its command line as the spawned server shows it (rag_server.launch.runtime.runtime_url_under reads it).
-        setproctitle.setproctitle(" ".join(args))
-        from sglang.srt.utils import kill_process_tree
-
-        from sglang_patches.cpu import launch as cpu_launch
-
-        try:
-            cpu_launch.run(args[3:])
-        finally:
-            kill_process_tree(os.getpid(), include_parent=False)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:  # never return into picrag serve's code
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-def _run_serve(argv: list[str], env: dict[str, str], cwd: str, log: str) -> None:
-    """In the forked child: `python -m rag_server.cli ARGV`, stopped (SIGTERM) when the zygote dies."""
-    import ctypes
-
-    code = 0
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-        with open(os.devnull, "rb") as nothing:
-            os.dup2(nothing.fileno(), 0)  # the zygote's command pipe is not the server's
-        with open(log, "ab") as out:
-            os.dup2(out.fileno(), 1)
-            os.dup2(out.fileno(), 2)
-        os.chdir(cwd)
-        os.environ.clear()
-        os.environ.update(env)
-        subprocess.Popen = ForkingPopen
-        import logging
-
-        # SGLang's imports configured the zygote's logging; picrag serve configures its own
-        # (basicConfig, a no-op where the root logger has handlers).
-        for handler in logging.root.handlers[:]:
-            logging.root.removeHandler(handler)
-        sys.argv = [CLI_MODULE, *argv]
-        import setproctitle
-
-        setproctitle.setproctitle(" ".join([sys.executable, "-m", CLI_MODULE, *argv]))
-        from rag_server.cli import main
-
-        code = main(argv)
+        code = run() or 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:
@@ -251,6 +189,70 @@ def _run_serve(argv: list[str], env: dict[str, str], cwd: str, log: str) -> None
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _run_launcher(args: list[str], env, cwd, start_new_session: bool, streams: tuple[int, int, int]) -> None:
+    """In the forked child: `python -m sglang_patches.cpu.launch ARGS` after its imports."""
+    _exit_after(lambda: _launch(args, env, cwd, start_new_session, streams))
+
+
+def _launch(args: list[str], env, cwd, start_new_session: bool, streams: tuple[int, int, int]) -> None:
+    if start_new_session:
+        os.setsid()
+    for target, fd in enumerate(streams):
+        if fd != -1:  # -1: inherited, as Popen leaves it
+            os.dup2(fd, target)
+    if cwd is not None:
+        os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    for name in [m for m in sys.modules if m.split(".")[0] in REIMPORTED]:
+        del sys.modules[name]
+    import setproctitle
+
+    # Its command line as the spawned server shows it (rag_server.launch.runtime.runtime_url_under reads it).
+    setproctitle.setproctitle(" ".join(args))
+    from sglang.srt.utils import kill_process_tree
+
+    from sglang_patches.cpu import launch as cpu_launch
+
+    try:
+        cpu_launch.run(args[3:])
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+def _run_serve(argv: list[str], env: dict[str, str], cwd: str, log: str) -> None:
+    """In the forked child: `python -m rag_server.cli ARGV`, stopped (SIGTERM) when the zygote dies."""
+    _exit_after(lambda: _serve_cli(argv, env, cwd, log))
+
+
+def _serve_cli(argv: list[str], env: dict[str, str], cwd: str, log: str) -> int:
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    with open(os.devnull, "rb") as nothing:
+        os.dup2(nothing.fileno(), 0)  # the zygote's command pipe is not the server's
+    with open(log, "ab") as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    subprocess.Popen = ForkingPopen
+    import logging
+
+    # SGLang's imports configured the zygote's logging; picrag serve configures its own
+    # (basicConfig, a no-op where the root logger has handlers).
+    for handler in logging.root.handlers[:]:
+        logging.root.removeHandler(handler)
+    sys.argv = [CLI_MODULE, *argv]
+    import setproctitle
+
+    setproctitle.setproctitle(" ".join([sys.executable, "-m", CLI_MODULE, *argv]))
+    from rag_server.cli import main
+
+    return main(argv)
 
 
 def _poll(pid: int) -> int | None:
