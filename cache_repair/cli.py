@@ -33,6 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
     from cache_repair.distractor_pool import POOLS
     from cache_repair.groups import DISTRACTORS, GroupShape
+    from cache_repair.passage_forms import FORMS
     from cache_repair.row_groups import RowVariants
 
     shape, variants = GroupShape(), RowVariants()
@@ -90,6 +91,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        help="serving, multi-hop rows: the share of the shuffled variants that also drop some "
                        "passages the row does not mark supporting; the supporting ones always stay "
                        f"(default {variants.subset_share:g})")
+    pairs.add_argument("--passage-form", choices=FORMS, default="alone",
+                       help="serving: how each passage's blank line is tokenized: 'alone' (as the annotated "
+                       "layout compiles a passage on its own), 'found' (as running text, as the frontend finds "
+                       "passages inside a client's message) or 'both' (the groups alternate) (default alone)")
     _threads_option(pairs)
     pairs.set_defaults(func=_guarded("pairs", _pairs))
 
@@ -207,6 +212,8 @@ def _pairs(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)
     data = [DataSpec.parse(text) for text in args.data] if args.data else [DataSpec(DEFAULT_DATA)]
     if args.layout == "passages":
+        if args.passage_form != "alone":
+            raise ValueError("--passage-form is for --layout serving")
         if args.distractor_pool:
             raise ValueError("--distractor-pool is for --layout serving with --distractors retrieved")
         if len(data) > 1 or data[0].share is not None:
@@ -217,7 +224,8 @@ def _pairs(args: argparse.Namespace) -> int:
                            reuse=args.passage_reuse, distractors=args.distractors)
         variants = RowVariants(variants=args.variants, subset_share=args.subset_share)
         generate_serving_pairs(args.out, model_dir, args.groups, val_groups, args.seed, shape, args.max_disk_gb, data,
-                               distractor_pool=args.distractor_pool, variants=variants, nq_groups=groups)
+                               distractor_pool=args.distractor_pool, variants=variants, nq_groups=groups,
+                               passage_form=args.passage_form)
     return 0
 
 

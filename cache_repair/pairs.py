@@ -28,6 +28,7 @@ import logging
 import os
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -154,21 +155,24 @@ class PairMaker:
         # The decoder alone: logits are only needed at a serving group's question positions.
         self.decoder, self.lm_head = model.model, model.lm_head
 
-    def passage_ids(self, passage: PromptPassage, max_tokens: int) -> list[int]:
-        """The passage's serving token ids, its text cut at a word boundary to fit max_tokens
-        (cutting the token list instead would drop the separator every passage ends with)."""
-        ids = self.layout.passage_ids(passage)
+    def passage_ids(self, passage: PromptPassage, max_tokens: int,
+                    ids_of: Callable[[PromptPassage], list[int]] | None = None) -> list[int]:
+        """The passage's serving token ids (`ids_of`, default the layout's), its text cut at a
+        word boundary to fit max_tokens (cutting the token list instead would drop the separator
+        every passage ends with)."""
+        ids_of = ids_of or self.layout.passage_ids
+        ids = ids_of(passage)
         if len(ids) <= max_tokens:
             return ids
         words = passage.text.split()
         low, high = 0, len(words)  # the answer: the most words that still fit
         while low < high:
             middle = (low + high + 1) // 2
-            if len(self.layout.passage_ids(PromptPassage(passage.title, " ".join(words[:middle])))) <= max_tokens:
+            if len(ids_of(PromptPassage(passage.title, " ".join(words[:middle])))) <= max_tokens:
                 low = middle
             else:
                 high = middle - 1
-        ids = self.layout.passage_ids(PromptPassage(passage.title, " ".join(words[:low])))
+        ids = ids_of(PromptPassage(passage.title, " ".join(words[:low])))
         return ids if len(ids) <= max_tokens else ids[:max_tokens]
 
     @torch.inference_mode()

@@ -3,7 +3,9 @@ with distractors, multi-hop rows with their own passages), prefilled with the re
 
 Per group, the prompt is exactly what the server sends for the group's question and passages
 (`retrieval.prompt_layout.PromptLayout` with the served model's tokenizer and the server's
-default system prompt): `[head][passage 1]...[passage k][question + tail]`.
+default system prompt): `[head][passage 1]...[passage k][question + tail]`, each passage in its
+group's form (`cache_repair.passage_forms`: ending as the annotated layout compiles it, or as the
+frontend finds it inside a message).
 
 - stale: each passage prefilled alone at positions 0..n-1, once per distinct passage and cap for
   the whole plan however many groups or rows hold it (`chunks/<key>.safetensors`, the key from
@@ -26,6 +28,7 @@ import logging
 import shutil
 import time
 from dataclasses import asdict
+from functools import partial
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,7 @@ from tqdm import tqdm
 
 from cache_repair.data_mix import DataSpec, Source, plan_mix, read_source
 from cache_repair.groups import SPLITS, GroupShape, distractor_rows, retrieval_similarity
+from cache_repair.passage_forms import ALONE, found_ids
 from cache_repair.pairs import (
     DEFAULT_DATA,
     MANIFEST_FILE,
@@ -79,8 +83,9 @@ class ServingPairs:
                                                                       unit="passage", leave=False)}
 
     def _passage_ids(self, key: str) -> list[int]:
-        passage, cap = self.plan.passage(self.rows, key), self.plan.chunks[key].cap
-        return self.maker.layout.passage_ids(passage) if cap is None else self.maker.passage_ids(passage, cap)
+        passage, source = self.plan.passage(self.rows, key), self.plan.chunks[key]
+        ids_of = self.maker.layout.passage_ids if source.form == ALONE else partial(found_ids, self.maker.layout)
+        return ids_of(passage) if source.cap is None else self.maker.passage_ids(passage, source.cap, ids_of)
 
     def question_ids(self, group: ServedGroup) -> list[int]:
         return self.maker.layout.question_ids(self.rows[group.data][group.row].question)
@@ -146,11 +151,13 @@ def generate_serving_pairs(
     out: Path, model_dir: Path, groups: int | None, val_groups: int, seed: int, shape: GroupShape,
     max_disk_gb: float, data: Sequence[DataSpec] = (DataSpec(DEFAULT_DATA),), maker: PairMaker | None = None,
     distractor_pool: str | None = None, variants: RowVariants = RowVariants(), nq_groups: int = 150,
+    passage_form: str = ALONE,
 ) -> dict[str, Any]:
     """Write (or finish writing) the pairs of a plan into `out`; returns the manifest.
     `groups`: training groups, None for `cache_repair.data_mix`'s default (`nq_groups` when every
     file is NQ-like). `maker`: an already loaded PairMaker for `model_dir` (one is loaded otherwise).
-    `distractor_pool`: more passages to retrieve NQ distractors from (`cache_repair.distractor_pool`)."""
+    `distractor_pool`: more passages to retrieve NQ distractors from (`cache_repair.distractor_pool`).
+    `passage_form`: how the groups' passages end (`cache_repair.passage_forms`)."""
     out = Path(out)
     sources = read_sources(data, shape, distractor_pool)
     similarity = None
@@ -160,7 +167,7 @@ def generate_serving_pairs(
         embedder = Embedder()
         similarity = {d: retrieval_similarity(source.rows, embedder, source.questions)
                       for d, source in enumerate(sources) if not source.multi_hop}
-    plan = plan_mix(sources, groups, val_groups, shape, variants, seed, nq_groups, similarity)
+    plan = plan_mix(sources, groups, val_groups, shape, variants, seed, nq_groups, similarity).in_form(passage_form)
     counts = {split: len(plan.groups[split]) for split in SPLITS}
     fingerprint = model_fingerprint(model_dir, torch.float32)
     # "groups" holds one entry per group and split, as in every pairs manifest (`shard_paths`).
@@ -169,6 +176,8 @@ def generate_serving_pairs(
                 "variants": asdict(variants), **plan.to_dict()}
     if distractor_pool is not None:
         settings["distractor_pool"] = distractor_pool
+    if passage_form != ALONE:  # absent from earlier manifests, which stay resumable
+        settings["passage_form"] = passage_form
     manifest_path = out / MANIFEST_FILE
     check_resumable(out, settings)
 

@@ -221,3 +221,26 @@ def test_resume_computes_only_the_missing_shard(pairs, maker, tiny_model_dir, mi
     for name in ("stale_k", "target_k", "target_v", "teacher_logits", "token_ids"):
         assert torch.equal(getattr(after, name), getattr(before, name)), name
     assert all((out / chunk_name(key)).is_file() for key in manifest["chunks"])
+
+
+def test_pairs_in_both_forms_give_found_groups_the_found_tokens(maker, tiny_model_dir, mini_file, tmp_path):
+    """`--passage-form both`: alternate groups hold their passages as the frontend finds them in
+    a message, stale and joint prefills alike, and the manifest records the form."""
+    from cache_repair.passage_forms import FOUND, found_ids, group_form
+    from retrieval.qa_rows import read_qa_rows
+
+    out = tmp_path / "both"
+    manifest = generate_serving_pairs(out, tiny_model_dir, groups=4, val_groups=1, seed=2, shape=GroupShape(),
+                                      max_disk_gb=1.0, data=[DataSpec(mini_file)], maker=maker,
+                                      variants=RowVariants(variants=2), passage_form="both")
+    rows = read_qa_rows(mini_file)
+    assert manifest["passage_form"] == "both"
+    for index, (path, group) in enumerate(zip(shard_paths(out, "train"), manifest["groups"]["train"])):
+        pair = Pair.load(path)
+        expected = []
+        for key in group["chunks"]:
+            _, row, passage, _, *form = manifest["chunks"][key]
+            ids_of = maker.layout.passage_ids if not form else lambda p: found_ids(maker.layout, p)
+            assert form == ([FOUND] if group_form("both", index) == FOUND else [])
+            expected += ids_of(rows[row].passages[passage])
+        assert pair.token_ids.tolist() == expected
