@@ -6,7 +6,7 @@ is marked `server` or `slow`) or `unit` (fakes at most): `make test ARGS="-m uni
 half. `make test` runs the suite on three pytest-xdist workers (`--dist loadgroup`); each module
 is one group, and the modules that share a session server form one group with it, so each real
 runtime starts once in a session, on one worker; those groups go first. The servers a test starts are forked from one process per worker that
-imported `picrag serve` once (tests/serve_zygote.py).
+imported `picrag serve` once (tests/zygote.py).
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def start_picrag_server(log: Path, extra_args: list[str], default_corpus: bool =
     """`picrag serve` with no passage index (tests that retrieve bring their own), or with
     `default_corpus` the default corpus's first 40 passages, built into an index under a
     PICRAG_HOME of its own that shares the converted models of the real one. Forked from this
-    worker's zygote (tests/serve_zygote.py), or with `spawned` run as the command it is."""
+    worker's zygote (tests/zygote.py), or with `spawned` run as the command it is."""
     from rag_server.launch.ports import free_port
     from rag_server.launch.serve_process import ServeStartError, spawn, start_picrag_serve
 
@@ -158,7 +158,7 @@ def start_picrag_server(log: Path, extra_args: list[str], default_corpus: bool =
             patch.setenv("PICRAG_HOME", str(home))
         index_args = ["--default-corpus-passages", "40"] if default_corpus else ["--no-index"]
         try:
-            start = spawn if spawned else serve_zygote().spawn
+            start = spawn if spawned else worker_zygote().spawn
             process = start_picrag_serve(port, [*index_args, *extra_args], log, start=start)
         except ServeStartError as exc:
             pytest.fail(str(exc))
@@ -168,12 +168,12 @@ def start_picrag_server(log: Path, extra_args: list[str], default_corpus: bool =
 _zygotes: list = []
 
 
-def serve_zygote():
-    """This worker's tests.serve_zygote.ServeZygote, started on first use, closed with the session."""
+def worker_zygote():
+    """This worker's tests.zygote.Zygote, started on first use, closed with the session."""
     if not _zygotes:
-        from tests.serve_zygote import ServeZygote
+        from tests.zygote import Zygote
 
-        _zygotes.append(ServeZygote(Path(tempfile.mkdtemp(prefix="picrag-serve-zygote-"))))
+        _zygotes.append(Zygote(Path(tempfile.mkdtemp(prefix="picrag-zygote-"))))
     return _zygotes[0]
 
 

@@ -1,7 +1,7 @@
 """The model matrix: every decoder family picrag serves, as a tiny random-weight model on the
 real runtime with picrag's plugin, one family after another (tests/tiny_models.py says what
 each family adds: rope scaling, q/k norms, fused projections, partial rotary, multipliers).
-Each runtime is forked from one process that imported SGLang once (tests/forked_runtime.py:
+Each runtime is forked from the worker's process that imported SGLang once (tests/zygote.py:
 the same server, arguments and plugin as `picrag serve` starts, in seconds instead of the
 40 s of imports a spawned runtime takes); requests go to the runtime, the trust boundary, as
 the frontend forwards them, and the start-up self-check runs against it as `picrag serve` runs it.
@@ -33,8 +33,7 @@ import pytest
 import torch
 
 from tests.chunk_requests import first_token_top, picrag_meta
-from tests.conftest import write_zero_repair_checkpoint
-from tests.forked_runtime import RuntimeZygote
+from tests.conftest import worker_zygote, write_zero_repair_checkpoint
 from tests.tiny_models import FAMILIES, REFUSED_ON_CPU, make_tiny_model
 from picrag_core.link_hints import LinkRequest, runtime_request
 from picrag_core.model_support import model_refusals
@@ -114,13 +113,6 @@ def tokenizer_dir(default_model_dir):
     return default_model_dir
 
 
-@pytest.fixture(scope="module")
-def zygote(tmp_path_factory):
-    forks = RuntimeZygote(tmp_path_factory.mktemp("runtimes"))
-    yield forks
-    forks.close()
-
-
 def refusal(client, input_ids, policy: str, chunks) -> str:
     """The runtime's 400 for a link it must refuse before any compute."""
     runtime_ids, hints = runtime_request(input_ids, LinkRequest.of(policy, chunks))
@@ -131,7 +123,7 @@ def refusal(client, input_ids, policy: str, chunks) -> str:
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_every_policy_is_exact_on_the_family(family, tokenizer_dir, zygote, tmp_path):
+def test_every_policy_is_exact_on_the_family(family, tokenizer_dir, tmp_path):
     import httpx
     from transformers import AutoModelForCausalLM
 
@@ -142,8 +134,9 @@ def test_every_policy_is_exact_on_the_family(family, tokenizer_dir, zygote, tmp_
     refused = model_refusals(traits)  # family -> why the engine must answer 400
     reuses = "naive" not in refused
     checkpoint = write_zero_repair_checkpoint(model_dir, tmp_path / "zero-repair") if reuses else None
-    runtime = zygote.start(RuntimeConfig(model_dir, max_total_tokens=4096, context_length=context_length,
-                                         repair_checkpoint=checkpoint), family)
+    runtime = worker_zygote().start_runtime(RuntimeConfig(model_dir, max_total_tokens=4096,
+                                                          context_length=context_length,
+                                                          repair_checkpoint=checkpoint), family)
     try:
         unavailable = engine_refusals(CPU_ATTENTION_BACKEND, None if reuses else "no checkpoint", traits)
         selfcheck = run_self_check(runtime.url, self_check_layout(model_dir), unavailable)

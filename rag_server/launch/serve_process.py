@@ -65,7 +65,7 @@ def start_picrag_serve(port: int, extra_args: list[str], log: Path, timeout_s: f
                        start: Callable[[list[str], IO[bytes]], subprocess.Popen] = spawn) -> subprocess.Popen:
     """Start `picrag serve` on `port`, its output and the runtime's in `log`; wait for /health.
     `start` runs the command (the test suite forks it from a process that imported it once,
-    tests/serve_zygote.py)."""
+    tests/zygote.py)."""
     if port_in_use(port):
         raise ServeStartError(f"port {port} is already in use (another picrag serve?): stop it or choose another port")
     cmd = [sys.executable, "-m", "rag_server.cli", "serve", "--port", str(port),

@@ -1,22 +1,28 @@
-"""`picrag serve` forked, for the tests that start servers of their own: from one process per test
-worker that has imported picrag's frontend and SGLang once.
+"""`picrag serve` and SGLang runtimes forked, for the tests that start servers of their own: from
+one process per test worker that has imported picrag's frontend and SGLang once.
 
 A `picrag serve` started with `python -m rag_server.cli serve` spends about 50 s of CPU before it
 answers /health on these cores (2026-12-07, py-spy): 17 s in the frontend (transformers and torch,
 its own modules), 21 s in the runtime's server process (SGLang, transformers and torch again), 10 s
 in the scheduler (the model, the start-up self-check's forwards). The suite starts about twenty,
 and is bound by its CPU. The zygote here imports the frontend and SGLang once and loads SGLang's
-plugins, computes nothing (an OpenMP thread pool does not survive a fork), and forks for each
-server a child that runs `rag_server.cli.main(ARGS)`: the same code, arguments and environment.
-In that child the runtime's server process, which `picrag serve` starts with
-`subprocess.Popen([python, -m, sglang_patches.cpu.launch, ...])`, is forked too, with what that
-command runs (`sglang_patches.cpu.launch.run`), its process group, output file and environment:
-still a child of `picrag serve`, stopped, watched and reaped as the spawned one is. A runtime the
-fork cannot stand for (CUDA; stock SGLang, whose plugins must not load; another thread count or
-SGLang setting than the zygote imported with) is spawned as usual. The start itself, spawned, is
-tested by tests/test_serve_process.py and by every module that runs `picrag serve` as a command.
+plugins, computes nothing (an OpenMP thread pool does not survive a fork), and forks:
 
-Run as `python -m tests.serve_zygote`: one JSON command per line on stdin, one JSON line back.
+- for each server, a child that runs `rag_server.cli.main(ARGS)`: the same code, arguments and
+  environment. In that child the runtime's server process, which `picrag serve` starts with
+  `subprocess.Popen([python, -m, sglang_patches.cpu.launch, ...])`, is forked too, with what that
+  command runs (`sglang_patches.cpu.launch.run`), its process group, output file and
+  environment: still a child of `picrag serve`, stopped, watched and reaped as the spawned one
+  is. A runtime the fork cannot stand for (CUDA; stock SGLang, whose plugins must not load;
+  another thread count or SGLang setting than the zygote imported with) is spawned as usual.
+- for a test that drives a runtime alone (the model matrix, one tiny model per decoder family),
+  that runtime's server, as `python -m sglang_patches.cpu.launch` runs it with
+  `RuntimeConfig.command()`'s arguments and `RuntimeConfig.env()`'s environment.
+
+The start itself, spawned, is tested by tests/test_serve_process.py and by every module that runs
+`picrag serve` as a command.
+
+Run as `python -m tests.zygote`: one JSON command per line on stdin, one JSON line back.
 """
 
 from __future__ import annotations
@@ -30,10 +36,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import httpx
+
 from rag_server.launch.runtime import CPU_LAUNCH_MODULE, NO_PLUGIN, RuntimeConfig
 
 READY = "ready"
 CLI_MODULE = "rag_server.cli"
+RUNTIME_START_TIMEOUT_S = 300.0
 
 
 def zygote_env() -> dict[str, str]:
@@ -42,16 +51,17 @@ def zygote_env() -> dict[str, str]:
     return RuntimeConfig(Path("."), device="cpu").resolved().env()
 
 
-class ServeZygote:
+class Zygote:
     """The zygote process, seen from a test worker."""
 
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
-        with open(log_dir / "serve-zygote.log", "ab") as log:
+        with open(log_dir / "zygote.log", "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "tests.serve_zygote"], env=zygote_env(), cwd=Path(__file__).resolve().parents[1],
+                [sys.executable, "-m", "tests.zygote"], env=zygote_env(), cwd=Path(__file__).resolve().parents[1],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
         assert self._read() == READY
+        self.runtimes: set[int] = set()
 
     def spawn(self, command: list[str], log) -> "ForkedServe":
         """For rag_server.launch.serve_process.start_picrag_serve: `command` is
@@ -61,11 +71,35 @@ class ServeZygote:
         reply = self._ask({"serve": command[3:], "env": dict(os.environ), "cwd": os.getcwd(), "log": log.name})
         return ForkedServe(self, reply["pid"])
 
+    def start_runtime(self, config: RuntimeConfig, name: str) -> "ForkedRuntime":
+        """A runtime for `config`, forked and healthy; its log is `<log_dir>/<name>.log`."""
+        config = config.resolved()
+        assert config.device == "cpu", "forked runtimes run on CPU only (CUDA does not survive a fork)"
+        log = self.log_dir / f"{name}.log"
+        pid = self._ask({"runtime": config.command(), "env": config.env(), "log": str(log)})["pid"]
+        self.runtimes.add(pid)
+        runtime = ForkedRuntime(self, pid, config.url, log)
+        try:
+            runtime.wait_healthy()
+        except BaseException:
+            runtime.stop()
+            raise
+        return runtime
+
     def poll(self, pid: int) -> int | None:
         return self._ask({"poll": pid})["returncode"]
 
+    def stop(self, pid: int) -> None:
+        """A forked runtime's whole process group killed and reaped."""
+        self._ask({"stop": pid})
+        self.runtimes.discard(pid)
+
     def close(self) -> None:
-        self.process.stdin.close()  # the zygote exits; its children get SIGTERM (their death signal)
+        """Runtimes still running stopped, then the zygote (its `picrag serve` children get
+        SIGTERM, their death signal)."""
+        for pid in list(self.runtimes):
+            self.stop(pid)
+        self.process.stdin.close()
         try:
             self.process.wait(30)
         except subprocess.TimeoutExpired:
@@ -79,14 +113,14 @@ class ServeZygote:
 
     def _read(self) -> str:
         line = self.process.stdout.readline()
-        assert line, f"the serve zygote exited; see {self.log_dir / 'serve-zygote.log'}"
+        assert line, f"the zygote exited; see {self.log_dir / 'zygote.log'}"
         return line.strip()
 
 
 class ForkedServe:
     """What a test holds of a forked `picrag serve`: the subprocess.Popen calls tests make."""
 
-    def __init__(self, zygote: ServeZygote, pid: int):
+    def __init__(self, zygote: Zygote, pid: int):
         self.zygote, self.pid = zygote, pid
         self.returncode: int | None = None
 
@@ -114,9 +148,40 @@ class ForkedServe:
         self.send_signal(signal.SIGKILL)
 
 
+class ForkedRuntime:
+    """A runtime forked for a test: its URL, its log, and how to stop it."""
+
+    def __init__(self, zygote: Zygote, pid: int, url: str, log: Path):
+        self.zygote, self.pid, self.url, self.log = zygote, pid, url, log
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + RUNTIME_START_TIMEOUT_S
+        while not self._healthy():
+            assert self.zygote.poll(self.pid) is None, f"the forked runtime exited during start:\n{self._log_tail()}"
+            assert time.monotonic() < deadline, f"the forked runtime is not healthy:\n{self._log_tail()}"
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.zygote.stop(self.pid)
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _log_tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
+
+
 # The zygote's side.
 
-# What `picrag serve`'s frontend imports (its runtime's: tests.forked_runtime.SGLANG_MODULES).
+# What a runtime's three processes import: the server's entry point (run_server), its HTTP
+# server, scheduler and detokenizer, and every model class (the registry imports them all).
+SGLANG_MODULES = ("sglang.launch_server", "sglang.srt.entrypoints.http_server", "sglang.srt.managers.scheduler",
+                  "sglang.srt.managers.detokenizer_manager", "sglang.srt.models.registry")
+
+# What `picrag serve`'s frontend imports.
 FRONTEND_MODULES = ("rag_server.cli", "rag_server.api.app", "rag_server.launch.selfcheck", "retrieval.index",
                     "uvicorn", "sentence_transformers", "transformers.models.auto.tokenization_auto")
 # Modules whose state depends on the environment at their import, which a forked runtime must
@@ -126,13 +191,15 @@ REIMPORTED = ("prometheus_client",)
 
 
 def _import_everything() -> None:
+    """SGLang and the frontend imported and SGLang's plugins loaded: the forked processes find
+    `load_plugins`' guard set and keep the hooks registered here."""
     import importlib
 
-    from tests.forked_runtime import import_sglang
-
-    import_sglang()
-    for module in FRONTEND_MODULES:
+    for module in (*SGLANG_MODULES, *FRONTEND_MODULES):
         importlib.import_module(module)
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
 
 
 def _forkable(command: list[str], env: dict[str, str] | None) -> bool:
@@ -222,6 +289,26 @@ def _launch(args: list[str], env, cwd, start_new_session: bool, streams: tuple[i
         kill_process_tree(os.getpid(), include_parent=False)
 
 
+def _run_runtime(args: list[str], env: dict[str, str], log: str) -> None:
+    """In the forked child: a runtime's server (`args`: `RuntimeConfig.command()`) in a process
+    group of its own, reading nothing, writing to `log`."""
+    nothing = os.open(os.devnull, os.O_RDONLY)  # the zygote's command pipe is not the runtime's
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    _run_launcher(args, env, None, True, (nothing, out, out))
+
+
+def _stop(pid: int, reaped: bool) -> None:
+    """A forked runtime's whole process group killed and its server reaped (unless a poll has
+    already). Not SIGTERM: SGLang's shutdown then waits 5 s for crash diagnostics, and a test
+    has nothing to drain."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if not reaped:
+        os.waitpid(pid, 0)
+
+
 def _run_serve(argv: list[str], env: dict[str, str], cwd: str, log: str) -> None:
     """In the forked child: `python -m rag_server.cli ARGV`, stopped (SIGTERM) when the zygote dies."""
     _exit_after(lambda: _serve_cli(argv, env, cwd, log))
@@ -270,7 +357,7 @@ def _serve() -> None:
 
     # setproctitle finds the memory it rewrites on its first call, while this process's
     # environment is the one it started with (a child replaces its environment before it names itself).
-    setproctitle.setproctitle(f"{sys.executable} -m tests.serve_zygote")
+    setproctitle.setproctitle(f"{sys.executable} -m tests.zygote")
     _import_everything()
     answer = sys.stdout
     answer.write(READY + "\n")
@@ -278,11 +365,16 @@ def _serve() -> None:
     exited: dict[int, int] = {}
     for line in sys.stdin:
         command = json.loads(line)
-        if "serve" in command:
+        if "serve" in command or "runtime" in command:
             pid = os.fork()
-            if pid == 0:
+            if pid == 0 and "serve" in command:
                 _run_serve(command["serve"], command["env"], command["cwd"], command["log"])
+            if pid == 0:
+                _run_runtime(command["runtime"], command["env"], command["log"])
             reply = {"pid": pid}
+        elif "stop" in command:
+            _stop(command["stop"], command["stop"] in exited)
+            reply = {"stopped": command["stop"]}
         else:
             pid = command["poll"]
             if pid not in exited and (code := _poll(pid)) is not None:
