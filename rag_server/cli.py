@@ -511,6 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from rag_server.bench import calibrate as bench_calibrate, discovery as bench_discovery, frontier as bench_frontier
     from rag_server.bench import load as bench_load, quality as bench_quality, quality_pool as bench_pool
+    from rag_server.bench import quality_compare as bench_compare
     from rag_server.bench import soak as bench_soak, steady as bench_steady
     from rag_server.bench import transparency_cli as bench_transparency
 
@@ -518,6 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="KIND")
     bench_quality.register(bench_commands)
     bench_pool.register(bench_commands)
+    bench_compare.register(bench_commands)
     bench_load.register(bench_commands)
     bench_steady.register(bench_commands)
     bench_soak.register(bench_commands)

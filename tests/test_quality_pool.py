@@ -65,3 +65,32 @@ def test_sets_are_kept_apart_and_pooled(tmp_path: Path):
         pool([a, a], "naive")
     with pytest.raises(BenchError, match="baseline select"):
         pool([a], "select")
+
+
+def test_two_sides_compare_question_by_question(tmp_path: Path):
+    """`picrag bench compare`: B minus A per question, per set and pooled, on the questions both
+    sides answered under each policy."""
+    from rag_server.bench.quality_compare import compare, markdown as compare_markdown
+
+    shipped = _run(tmp_path / "shipped", "hotpotqa", [
+        _row("q1", "full", 1.0, 0.0, 4.0), _row("q1", "cacherepair", 1.0, 0.4, 2.0),
+        _row("q2", "full", 0.5, 0.0, 4.0), _row("q2", "cacherepair", 0.5, 0.6, 2.0),
+        _row("q3", "full", 0.5, 0.0, 4.0), _row("q3", "cacherepair", 0.5, 0.5, 2.0)])
+    retrained = _run(tmp_path / "retrained", "hotpotqa", [
+        _row("q1", "full", 1.0, 0.0, 4.0), _row("q1", "cacherepair", 1.0, 0.1, 2.0),
+        _row("q2", "full", 0.5, 0.0, 4.0), _row("q2", "cacherepair", 0.0, 0.2, 2.0),
+        _row("q4", "full", 0.5, 0.0, 4.0), _row("q4", "cacherepair", 0.5, 0.0, 2.0)])
+    other_set = _run(tmp_path / "musique", "musique", [_row("q1", "full", 1.0, 0.0, 2.0)])
+    report = compare([shipped, other_set], [retrained])
+    assert list(report["sets"]) == ["hotpotqa"] and report["policies"] == ["full", "cacherepair"]
+    repair = report["pooled"]["cacherepair"]
+    assert repair["questions"] == 2  # q3 and q4 were answered by one side only
+    span = repair["answer_span_kl"]
+    assert span["a"]["value"] == pytest.approx(0.5) and span["b"]["value"] == pytest.approx(0.15)
+    assert span["b_minus_a"]["mean"] == pytest.approx(-0.35) and span["b_minus_a"]["ci95"][1] < 0
+    assert repair["f1"]["b_minus_a"]["mean"] == pytest.approx(-25.0)
+    assert "| cacherepair | 2 | 0.500 | 0.150 | -0.350" in compare_markdown(report)
+    with pytest.raises(BenchError, match="share no dev set"):
+        compare([other_set], [retrained])
+    with pytest.raises(BenchError, match="two runs of one set"):
+        compare([shipped, shipped], [retrained])

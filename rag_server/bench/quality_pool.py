@@ -140,7 +140,7 @@ def register(commands) -> None:
         "pool", help="read `bench quality` runs of several dev sets as one: per set and pooled, with intervals",
         description="Per set and pooled over the runs: answer-span and first-token KL, agreement, F1 and its "
                     "share of full's, TTFT speed-up, and paired differences to a baseline policy, each with a "
-                    "bootstrap 95%% interval. Writes pooled.json and pooled.md to --out.")
+                    "bootstrap 95% interval. Writes pooled.json and pooled.md to --out.")
     parser.add_argument("runs", type=Path, nargs="+", metavar="RUN", help="a `picrag bench quality --out` folder")
     parser.add_argument("--baseline", default="naive", help="the policy every other is paired against (default naive)")
     parser.add_argument("--out", type=Path, required=True, metavar="DIR")
