@@ -84,41 +84,59 @@ def test_every_discovered_link_keeps_the_rules(tokenizer, seed, documents, min_c
     body = ""
     for index in range(documents):
         body += (rng.choice(SEPARATORS) if index else "") + document(rng, rng.randint(2, 60))
+    # The question: none, a short one, or one as long as a passage (never linked: it is computed
+    # with the documents before it, as `full` computes it).
+    question = rng.choice(("", "Question: why?", "Question: " + document(rng, rng.randint(20, 60))))
     messages = [{"role": "system", "content": document(rng, rng.randint(0, 30))},
-                {"role": "user", "content": body + rng.choice(("", "\n\nQuestion: why?"))}]
+                {"role": "user", "content": body + (f"\n\n{question}" if question else "")}]
     config = DiscoverySettings(min_chunk_tokens=min_chunk, min_linked_tokens=min_chunk, max_chunks=4)
     encode = encoder(tokenizer, dummy_prefix)
     prompt = chat_prompt(tokenizer, messages)
-    check_rules(prompt, discover(prompt, encode, config), encode, config)
     as_text = tokenized(tokenizer, prompt.text)  # the same chat sent as one text (/generate, completions)
-    check_rules(as_text, discover(as_text, encode, config), encode, config)
+    for form in (prompt, as_text):
+        found = discover(form, encode, config)
+        check_rules(form, found, encode, config)
+        if question:
+            asked = form.text.rindex(question)
+            assert all(form.offsets[end - 1][1] <= asked for _, end in found.chunks), "the question is never linked"
 
 
-def permutation_prompts(tokenizer, vocabulary: int, documents: int = 4, words: int = 100):
+def permutation_prompts(tokenizer, vocabulary: int, placement: str, documents: int = 4, words: int = 100):
     """LMCache's blend stress workload: a system prompt, then permutations of the same documents
-    in one user message, joined by blank lines."""
+    in one user message, joined by blank lines (`placement` "user"); or the documents as a
+    stuff-documents chain places them, the system message, with the question in the user's
+    ("system")."""
     rng = random.Random(vocabulary)
     pool = [f"{'bcdfg'[i % 5]}{'aeiou'[i % 3]}{i}" for i in range(vocabulary)]
     docs = [" ".join(rng.choice(pool) for _ in range(words)) for _ in range(documents)]
     system = " ".join(rng.choice(("the", "system", "will", "answer")) for _ in range(100))
     for order in ([0, 1, 2, 3], [3, 1, 0, 2], [2, 3, 1, 0]):
-        yield order, docs, chat_prompt(tokenizer, [{"role": "system", "content": system},
-                                                   {"role": "user", "content": "\n\n".join(docs[i] for i in order)}])
+        stuffed = "\n\n".join(docs[i] for i in order)
+        messages = ([{"role": "system", "content": system}, {"role": "user", "content": stuffed}] if placement == "user"
+                    else [{"role": "system", "content": stuffed}, {"role": "user", "content": "Which?"}])
+        yield order, docs, chat_prompt(tokenizer, messages)
 
 
+@pytest.mark.parametrize("placement", ["user", "system"])
 @pytest.mark.parametrize("vocabulary", [1000, 6])
-def test_a_document_has_one_key_wherever_it_moves(tokenizer, vocabulary):
-    """Every document of every permutation is found, the system prompt stays on the prefix cache,
-    and a document is stored as the same tokens in every position, the last one too (it has no
-    blank line after it: the link's tail gives it the others'); with a 6-word vocabulary
-    (identical windows everywhere) documents still share only with themselves."""
+def test_a_document_has_one_key_wherever_it_moves(tokenizer, vocabulary, placement):
+    """A document is stored as the same tokens wherever it stands; with a 6-word vocabulary
+    (identical windows everywhere) documents still share only with themselves.
+    - In the user message, after the system prompt (LMCache's workload): the system prompt stays
+      on the prefix cache, and the last document, the prompt's last paragraph, is computed as a
+      question is (the module's rule 2).
+    - In the system message, the question in the user's: every document is linked, the last one
+      too, though it has no blank line after it (the link's tail gives it the others')."""
     encode = encoder(tokenizer)
     seen: dict[tuple[int, ...], int] = {}
-    for order, docs, prompt in permutation_prompts(tokenizer, vocabulary):
+    linked = 3 if placement == "user" else 4
+    for order, docs, prompt in permutation_prompts(tokenizer, vocabulary, placement):
         found = discover(prompt, encode)
         check_rules(prompt, found, encode, DiscoverySettings())
-        assert len(found.chunks) == 4 and found.tail
-        assert "system" in prompt.text[:prompt.offsets[found.chunks[0][0]][0]], "the system prompt is the head"
+        assert len(found.chunks) == linked and bool(found.tail) == (placement == "system")
+        if placement == "user":
+            assert "system" in prompt.text[:prompt.offsets[found.chunks[0][0]][0]], "the system prompt is the head"
+            assert docs[order[3]] not in token_text(prompt, found.chunks[0][0], found.chunks[-1][1])
         for position, (start, end) in enumerate(found.chunks):
             assert token_text(prompt, start, end).strip() == docs[order[position]]
             stored = prompt.ids[start:end] + (found.tail if position == 3 else ())
@@ -147,7 +165,7 @@ def test_a_long_system_prompt_stays_on_the_prefix_cache(tokenizer):
     system = document(rng, 400)
     docs = [document(rng, 40) for _ in range(3)]
     prompt = chat_prompt(tokenizer, [{"role": "system", "content": system},
-                                     {"role": "user", "content": "\n\n".join(docs)}])
+                                     {"role": "user", "content": "\n\n".join(docs) + "\n\nQuestion: who?"}])
     found = discover(prompt, encoder(tokenizer))
     assert len(found.chunks) == 3 and prompt.offsets[found.chunks[0][0]][0] > prompt.text.index(system) + len(system)
     stuffed = chat_prompt(tokenizer, [{"role": "system", "content": "Use this context:\n\n" + "\n\n".join(docs)},
@@ -165,8 +183,8 @@ def test_a_rendered_chat_in_a_text_keeps_role_lines_and_specials_out(tokenizer):
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     regions = text_regions(text, encoded["input_ids"], encoded["offset_mapping"], special_ids(tokenizer))
-    assert [text[s:e] for s, e in regions] == ["You help.", "\n", "a b c", "\n"]
-    assert content_regions(text, ["You help.", "a b c"]) == [regions[0], regions[2]]
+    assert [text[s:e] for s, e in regions] == ["You help.", "a b c"], "the newlines between messages hold nothing"
+    assert content_regions(text, ["You help.", "a b c"]) == regions
 
 
 def test_a_break_folded_into_the_token_before_cuts_after_it():

@@ -16,7 +16,11 @@ How a prompt is cut:
    a unit: a unit lies inside one message.
 2. **Chunks.** A unit of at least `min_chunk_tokens` tokens is a chunk; a shorter one joins the
    next chunk of its message (a title line, a source line), or stays ordinary prompt when no
-   chunk follows it in that message (the question, the answer cue).
+   chunk follows it in that message (the question, the answer cue). The last unit of the
+   prompt's last region is never a chunk, whatever its length: it is the request's own question
+   or instruction, which the answer follows, and linked it would be computed blind to the
+   documents before it (a question of 32 tokens or more was, before this rule, and doubled
+   naive's and the repair's KL to `full` on those questions).
 3. **Stable tokens.** A chunk is kept only if its text less the whitespace it ends with,
    tokenized alone, gives exactly the ids it has in the prompt (so the same passage has the same
    ids wherever it stands: the store shares nothing else); otherwise it is merged with the chunk
@@ -222,7 +226,10 @@ def discover(prompt: TokenizedPrompt, encode: Callable[[str], list[int]],
     """The chunks a prompt's link reuses (none: leave it to the prefix cache). `encode` tokenizes
     a text alone, without special tokens, as the prompt's tokenizer does."""
     regions = _units(prompt)
-    candidates = [chunk for units in regions for chunk in _chunks_of_message(units, settings.min_chunk_tokens)]
+    last = len(regions) - 1
+    # The last region's last unit is the request's question (module docstring, 2).
+    candidates = [chunk for index, units in enumerate(regions)
+                  for chunk in _chunks_of_message(units[:-1] if index == last else units, settings.min_chunk_tokens)]
     first_region_end = regions[0][-1][1] if regions else 0
     run = _chosen_run(_stable(candidates, prompt, encode), first_region_end)[:settings.max_chunks]
     # The engine computes the prompt's last token itself (its logits start the answer): a run
@@ -266,8 +273,9 @@ _ROLE_LINE = re.compile(r"[ \t]*[A-Za-z_][\w-]{0,31}[ \t]*\n")
 
 def text_regions(text: str, ids: Sequence[int], offsets: Sequence[tuple[int, int]],
                  special: frozenset[int]) -> list[tuple[int, int]]:
-    """A plain text's passage regions: the stretches between its special tokens, each less a
-    role line that opens it right after a special token (a chat rendered into the text)."""
+    """A plain text's passage regions: the stretches between its special tokens that hold text,
+    each less a role line that opens it right after a special token (a chat rendered into the
+    text)."""
     bounds = [0]
     for token, (start, end) in zip(ids, offsets):
         if token in special:
@@ -280,7 +288,7 @@ def text_regions(text: str, ids: Sequence[int], offsets: Sequence[tuple[int, int
             role = _ROLE_LINE.match(text, start, end)
             if role:
                 start = role.end()
-        if end > start:
+        if text[start:end].strip():  # the newline a template puts between messages holds no passage
             regions.append((start, end))
     return regions
 
