@@ -32,8 +32,9 @@ How a prompt is cut:
    prompt's first region (the system prompt, which the prefix cache serves exactly), else the
    longest in it. The head before it (system prompt, chat template) stays on the prefix cache,
    and what follows it is computed as the question is.
-5. **The tail.** The run's last passage often ends its message with no blank line after it (the
-   documents of LMCache's blend workload, a permutation's last). It is stored with the separator
+5. **The tail.** The run's last passage may end its message with no blank line after it (the
+   documents at the end of a system message, the question in the user's, as a stuff-documents
+   chain sends them). It is stored with the separator
    the chunk before it ends with (the link's `tail`, picrag_core.link_hints): the same stored
    chunk as where the passage stands elsewhere, and its own tokens' KV the causal prefix of it.
 
