@@ -7,9 +7,9 @@
   (`rag_server.linking.chunk_discovery`): the same text, its blank line tokenized as running text
   before the next paragraph. SmolLM2's tokenizer writes it as two "\\n" tokens there.
 
-The repair network reads the tokens it corrects, so a network trained on `alone` passages only
-closes less of naive reuse's gap on found ones (a seam it never saw). `--passage-form both`
-gives the groups of a pairs run the two forms in turn.
+The repair network reads the tokens it corrects, and one trained on `alone` passages only has
+never seen the found seam. `--passage-form both` gives the groups of a pairs run the two forms
+in turn (docs/cacherepair.md, "Passages in both forms", measures what that changes).
 """
 
 from __future__ import annotations
