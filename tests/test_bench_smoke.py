@@ -233,8 +233,7 @@ def test_bench_discovery_smoke(picrag_server, tmp_path: Path):
     report = run_discovery(DiscoveryOptions(("identical",), out, requests=2, max_tokens=2, url=picrag_server.url))
     rows = {row["form"]: row for row in report["rows"]}
     assert set(rows) == set(FORMS) and all(row["requests"] == 2 for row in rows.values())
-    # Four documents, the last one the prompt's last paragraph (computed as a question is).
-    assert rows["discovered"]["discovered_chunks"] == 3
+    assert rows["discovered"]["discovered_chunks"] == 4
     assert rows["prefix"]["discovered_chunks"] == rows["annotated"]["discovered_chunks"] == 0
     assert all(0 < row["ttft_p50_s"] <= row["ttft_p95_s"] for row in rows.values())
     assert "| identical | discovered | 2 | 1 |" in (out / "discovery.md").read_text()

@@ -84,9 +84,11 @@ def test_every_discovered_link_keeps_the_rules(tokenizer, seed, documents, min_c
     body = ""
     for index in range(documents):
         body += (rng.choice(SEPARATORS) if index else "") + document(rng, rng.randint(2, 60))
-    # The question: none, a short one, or one as long as a passage (never linked: it is computed
-    # with the documents before it, as `full` computes it).
-    question = rng.choice(("", "Question: why?", "Question: " + document(rng, rng.randint(20, 60))))
+    # The question: none, a short one, or one as long as a passage, asked in the forms QUESTION
+    # knows (never linked: it is computed with the documents before it, as `full` computes it).
+    question = rng.choice(("", "Question: why?", "Question: " + document(rng, rng.randint(20, 60)),
+                           document(rng, rng.randint(20, 60)) + "?", "Query: " + document(rng, rng.randint(20, 60))
+                           + "\nAnswer:"))
     messages = [{"role": "system", "content": document(rng, rng.randint(0, 30))},
                 {"role": "user", "content": body + (f"\n\n{question}" if question else "")}]
     config = DiscoverySettings(min_chunk_tokens=min_chunk, min_linked_tokens=min_chunk, max_chunks=4)
@@ -120,23 +122,20 @@ def permutation_prompts(tokenizer, vocabulary: int, placement: str, documents: i
 @pytest.mark.parametrize("placement", ["user", "system"])
 @pytest.mark.parametrize("vocabulary", [1000, 6])
 def test_a_document_has_one_key_wherever_it_moves(tokenizer, vocabulary, placement):
-    """A document is stored as the same tokens wherever it stands; with a 6-word vocabulary
-    (identical windows everywhere) documents still share only with themselves.
-    - In the user message, after the system prompt (LMCache's workload): the system prompt stays
-      on the prefix cache, and the last document, the prompt's last paragraph, is computed as a
-      question is (the module's rule 2).
-    - In the system message, the question in the user's: every document is linked, the last one
-      too, though it has no blank line after it (the link's tail gives it the others')."""
+    """Every document of every permutation is found and stored as the same tokens wherever it
+    stands, the last one too, though it has no blank line after it (the link's tail gives it the
+    others'); with a 6-word vocabulary (identical windows everywhere) documents still share only
+    with themselves. In the user message after the system prompt (LMCache's workload) the
+    system prompt stays on the prefix cache and the last document, which asks nothing, is a
+    passage; in the system message (a stuff-documents chain) the user's question is not."""
     encode = encoder(tokenizer)
     seen: dict[tuple[int, ...], int] = {}
-    linked = 3 if placement == "user" else 4
     for order, docs, prompt in permutation_prompts(tokenizer, vocabulary, placement):
         found = discover(prompt, encode)
         check_rules(prompt, found, encode, DiscoverySettings())
-        assert len(found.chunks) == linked and bool(found.tail) == (placement == "system")
+        assert len(found.chunks) == 4 and found.tail
         if placement == "user":
             assert "system" in prompt.text[:prompt.offsets[found.chunks[0][0]][0]], "the system prompt is the head"
-            assert docs[order[3]] not in token_text(prompt, found.chunks[0][0], found.chunks[-1][1])
         for position, (start, end) in enumerate(found.chunks):
             assert token_text(prompt, start, end).strip() == docs[order[position]]
             stored = prompt.ids[start:end] + (found.tail if position == 3 else ())
@@ -227,3 +226,23 @@ def test_the_quality_benchs_chat_prompts_find_the_dev_passages(tokenizer, shared
     assert len(found) >= 0.8 * len(documents)
     assert all(any(doc in chunk for doc in documents) for chunk in found)
     assert row.question in text and not any(row.question in chunk for chunk in found)
+
+
+def test_the_question_is_the_last_paragraph_that_asks_or_stands_alone(tokenizer):
+    """The prompt's last paragraph is its question when it asks or is its message's only one;
+    a last paragraph that does neither (a document ending the message) is a passage."""
+    rng = random.Random(5)
+    docs = [document(rng, 60).rstrip(".!:?") + "." for _ in range(3)]
+    closing = document(rng, 60).rstrip(".!:?")
+    cases = {closing + ".": True,  # a fourth document: linked
+             closing + "?": False, "Question: " + closing: False, "Query: " + closing + "\nAnswer:": False}
+    for last, linked in cases.items():
+        prompt = chat_prompt(tokenizer, [{"role": "user", "content": "\n\n".join([*docs, last])}])
+        found = discover(prompt, encoder(tokenizer))
+        assert len(found.chunks) == (4 if linked else 3), last
+    # Documents in the system message, a long instruction alone in the user's: never linked.
+    stuffed = chat_prompt(tokenizer, [{"role": "system", "content": "\n\n".join(docs)},
+                                      {"role": "user", "content": closing + "."}])
+    found = discover(stuffed, encoder(tokenizer))
+    assert len(found.chunks) == 3 and all(stuffed.offsets[end - 1][1] < stuffed.text.index(closing)
+                                          for _, end in found.chunks)

@@ -16,11 +16,16 @@ How a prompt is cut:
    a unit: a unit lies inside one message.
 2. **Chunks.** A unit of at least `min_chunk_tokens` tokens is a chunk; a shorter one joins the
    next chunk of its message (a title line, a source line), or stays ordinary prompt when no
-   chunk follows it in that message (the question, the answer cue). The last unit of the
-   prompt's last region is never a chunk, whatever its length: it is the request's own question
-   or instruction, which the answer follows, and linked it would be computed blind to the
-   documents before it (a question of 32 tokens or more was, before this rule, and doubled
-   naive's and the repair's KL to `full` on those questions).
+   chunk follows it in that message (the question, the answer cue). The prompt's question is
+   never a chunk, whatever its length: linked, it would be computed blind to the documents
+   before it, which the answer reads it with (a dev question of 32 tokens or more was linked
+   before this rule, and doubled naive's and the repair's KL to `full` on those questions). The
+   question is the last unit of the prompt's last region when that unit asks (`QUESTION`: a
+   line that opens with a question or answer cue, or ends with a question mark) or is the only
+   unit of its region (the user's turn after documents stuffed into the system message). A
+   last unit that does neither, a document ending the message with nothing after it (LMCache's
+   blend workload), stays a passage: computing it instead costs a document's prefill on every
+   request (2.2-3.5x the annotated form's TTFT on that workload, measured).
 3. **Stable tokens.** A chunk is kept only if its text less the whitespace it ends with,
    tokenized alone, gives exactly the ids it has in the prompt (so the same passage has the same
    ids wherever it stands: the store shares nothing else); otherwise it is merged with the chunk
@@ -32,9 +37,9 @@ How a prompt is cut:
    prompt's first region (the system prompt, which the prefix cache serves exactly), else the
    longest in it. The head before it (system prompt, chat template) stays on the prefix cache,
    and what follows it is computed as the question is.
-5. **The tail.** The run's last passage may end its message with no blank line after it (the
-   documents at the end of a system message, the question in the user's, as a stuff-documents
-   chain sends them). It is stored with the separator
+5. **The tail.** The run's last passage often ends its message with no blank line after it (the
+   documents of LMCache's blend workload, a permutation's last; documents stuffed into a system
+   message). It is stored with the separator
    the chunk before it ends with (the link's `tail`, picrag_core.link_hints): the same stored
    chunk as where the passage stands elsewhere, and its own tokens' KV the causal prefix of it.
 
@@ -54,6 +59,10 @@ from picrag_core.request_bounds import MAX_CHUNK_SPANS
 # A line that opens a document in the formats common RAG frameworks and prompts emit.
 DOCUMENT_OPENER = re.compile(r"(?:\[\d{1,4}\]|(?:Document|Doc|Source|Passage|Context)\b|<doc|<document|---)",
                              re.IGNORECASE)
+# A paragraph that asks: a line opening with a question or answer cue ("Question:", "Query:",
+# "Q:", "Answer:", "A:"), or ending with a question mark. Misread either way, the error is on
+# the safe side: a document read as a question is computed, as `full` computes it.
+QUESTION = re.compile(r"^[ \t]*(?:question|query|q|answer|a)[ \t]*:|\?[ \t]*$", re.IGNORECASE | re.MULTILINE)
 DEFAULT_MIN_CHUNK_TOKENS = 32
 # Fewer chunk tokens than this in the linked run: the prompt is left to the prefix cache (a
 # link's fixed costs, a compile round trip and the policy's own step, outweigh so little reuse).
@@ -227,11 +236,10 @@ def discover(prompt: TokenizedPrompt, encode: Callable[[str], list[int]],
     """The chunks a prompt's link reuses (none: leave it to the prefix cache). `encode` tokenizes
     a text alone, without special tokens, as the prompt's tokenizer does."""
     regions = _units(prompt)
-    last = len(regions) - 1
-    # The last region's last unit is the request's question (module docstring, 2).
-    candidates = [chunk for index, units in enumerate(regions)
-                  for chunk in _chunks_of_message(units[:-1] if index == last else units, settings.min_chunk_tokens)]
     first_region_end = regions[0][-1][1] if regions else 0
+    if regions and _is_question(prompt, regions[-1]):
+        regions[-1] = regions[-1][:-1]
+    candidates = [chunk for units in regions for chunk in _chunks_of_message(units, settings.min_chunk_tokens)]
     run = _chosen_run(_stable(candidates, prompt, encode), first_region_end)[:settings.max_chunks]
     # The engine computes the prompt's last token itself (its logits start the answer): a run
     # that reaches it would be cut there, so it ends before.
@@ -239,6 +247,12 @@ def discover(prompt: TokenizedPrompt, encode: Callable[[str], list[int]],
         run = run[:-1]
     found = Discovered(tuple(run), len(candidates), _tail(prompt, run))
     return found if found.chunk_tokens >= settings.min_linked_tokens else Discovered((), len(candidates))
+
+
+def _is_question(prompt: TokenizedPrompt, units: list[tuple[int, int]]) -> bool:
+    """Whether the last region's last unit is the prompt's question (module docstring, 2)."""
+    start, end = units[-1]
+    return len(units) == 1 or QUESTION.search(prompt.text[prompt.offsets[start][0]:prompt.offsets[end - 1][1]]) is not None
 
 
 def _tail(prompt: TokenizedPrompt, run: list[tuple[int, int]]) -> tuple[int, ...]:
