@@ -60,8 +60,9 @@ from picrag_core.request_bounds import MAX_CHUNK_SPANS
 DOCUMENT_OPENER = re.compile(r"(?:\[\d{1,4}\]|(?:Document|Doc|Source|Passage|Context)\b|<doc|<document|---)",
                              re.IGNORECASE)
 # A paragraph that asks: a line opening with a question or answer cue ("Question:", "Query:",
-# "Q:", "Answer:", "A:"), or ending with a question mark. Misread either way, the error is on
-# the safe side: a document read as a question is computed, as `full` computes it.
+# "Q:", "Answer:", "A:"), or ending with a question mark. A document read as a question is
+# computed, as `full` computes it (the safe side); a question in none of these forms, after
+# documents in its own message, is linked (frontend.md says so).
 QUESTION = re.compile(r"^[ \t]*(?:question|query|q|answer|a)[ \t]*:|\?[ \t]*$", re.IGNORECASE | re.MULTILINE)
 DEFAULT_MIN_CHUNK_TOKENS = 32
 # Fewer chunk tokens than this in the linked run: the prompt is left to the prefix cache (a
