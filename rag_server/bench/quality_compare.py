@@ -12,15 +12,13 @@ stopped at different questions still compare on the ones they share.
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
 from rag_server.bench.common import BenchError, command_line
 from rag_server.bench.paired import by_question, mean_of, paired_difference
 from rag_server.bench.quality import PAIRED, QuestionResult
-from rag_server.bench.quality_pool import POOLED, read_run
+from rag_server.bench.quality_pool import POOLED, read_run, write_report
 
 
 def _side(folders: list[Path], label: str) -> dict[str, list[QuestionResult]]:
@@ -118,10 +116,4 @@ def register(commands) -> None:
 
 def _main(args) -> int:
     report = compare(args.a, args.b)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "compare.json").write_text(json.dumps(report, indent=2) + "\n")
-    table = markdown(report)
-    (args.out / "compare.md").write_text(table)
-    print(table)
-    print(f"-> {args.out}/compare.json, compare.md", file=sys.stderr)
-    return 0
+    return write_report(args.out, "compare", report, markdown(report))

@@ -147,12 +147,16 @@ def register(commands) -> None:
     parser.set_defaults(func=_main)
 
 
+def write_report(out: Path, name: str, report: dict[str, Any], table: str) -> int:
+    """`<name>.json` and `<name>.md` written to `out`, the table printed: a reading command's end."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{name}.md").write_text(table)
+    print(table)
+    print(f"-> {out}/{name}.json, {name}.md", file=sys.stderr)
+    return 0
+
+
 def _main(args) -> int:
     report = pool(args.runs, args.baseline)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "pooled.json").write_text(json.dumps(report, indent=2) + "\n")
-    table = markdown(report)
-    (args.out / "pooled.md").write_text(table)
-    print(table)
-    print(f"-> {args.out}/pooled.json, pooled.md", file=sys.stderr)
-    return 0
+    return write_report(args.out, "pooled", report, markdown(report))
