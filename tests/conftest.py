@@ -16,6 +16,10 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Before any test module imports SGLang: its layers read this once, at import, to choose CPU
+# kernels (without it a rotary embedding imports vLLM's and fails), so a module that set it
+# itself depended on being collected before every other module that imports SGLang.
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 import json
 import shlex
@@ -221,20 +225,28 @@ def write_zero_repair_checkpoint(model_dir: Path, directory: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def zero_repair_checkpoint(default_model_dir: Path, tmp_path_factory) -> Path:
-    return write_zero_repair_checkpoint(default_model_dir, tmp_path_factory.mktemp("zero-repair"))
+def served_model_dir(default_model_dir: Path, tmp_path_factory) -> Path:
+    """What `picrag_server` serves: the default model cut to its first layers (tests/shallow_model.py)."""
+    from tests.shallow_model import write_shallow_model
+
+    return write_shallow_model(default_model_dir, tmp_path_factory.mktemp("shallow-model"))
 
 
 @pytest.fixture(scope="session")
-def picrag_server(default_model_dir: Path, zero_repair_checkpoint: Path, tmp_path_factory) -> ServerHandle:
-    """`picrag serve` on the default model, shared by the whole session. PICRAG_TEST_SERVER_ARGS
+def zero_repair_checkpoint(served_model_dir: Path, tmp_path_factory) -> Path:
+    return write_zero_repair_checkpoint(served_model_dir, tmp_path_factory.mktemp("zero-repair"))
+
+
+@pytest.fixture(scope="session")
+def picrag_server(served_model_dir: Path, zero_repair_checkpoint: Path, tmp_path_factory) -> ServerHandle:
+    """`picrag serve` on `served_model_dir`, shared by the whole session. PICRAG_TEST_SERVER_ARGS
     adds serve arguments (scripts/gpu_check.sh runs the equivalence tests on CUDA with it)."""
     log = tmp_path_factory.mktemp("server") / "server.log"
     handle = start_picrag_server(
         log,
         # No shadow samples: tests count the requests and reused tokens the runtime sees.
-        ["--max-total-tokens", "16384", "--repair-checkpoint", str(zero_repair_checkpoint), "--shadow-rate", "0",
-         *shlex.split(os.environ.get("PICRAG_TEST_SERVER_ARGS", ""))],
+        ["--model", str(served_model_dir), "--max-total-tokens", "16384", "--repair-checkpoint",
+         str(zero_repair_checkpoint), "--shadow-rate", "0", *shlex.split(os.environ.get("PICRAG_TEST_SERVER_ARGS", ""))],
     )
     yield handle
     stop_picrag_server(handle)

@@ -3,11 +3,6 @@ without pools or a model (routing reads the engine's settings and the repairer o
 
 from __future__ import annotations
 
-import os
-
-# Before SGLang is first imported: without it, SGLang's layers pick their CUDA kernels.
-os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-
 from array import array
 from types import SimpleNamespace
 from typing import Any, Optional

@@ -1,9 +1,5 @@
 """picrag's query-only extend attention equals SGLang's torch_native extend attention."""
 
-import os
-
-os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-
 import pytest
 import torch
 from torch.nn.functional import scaled_dot_product_attention

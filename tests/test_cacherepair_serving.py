@@ -107,11 +107,11 @@ def test_nothing_grafted_nothing_repaired():
     assert repair_spans(ConstantRepairer(), pool, rope_shifter(), [RepairSpan(torch.tensor([0, 1]), [3, 4], 0)]) == 0
 
 
-def test_serve_refuses_a_checkpoint_for_another_model(tmp_path, default_model_dir, zero_repair_checkpoint):
+def test_serve_refuses_a_checkpoint_for_another_model(tmp_path, served_model_dir, zero_repair_checkpoint):
     from picrag_core.repair.checkpoint import RepairCheckpointMismatch
     from rag_server.launch.repair_checkpoint import choose_repair_checkpoint
 
-    assert choose_repair_checkpoint(default_model_dir, zero_repair_checkpoint) == (zero_repair_checkpoint, None)
+    assert choose_repair_checkpoint(served_model_dir, zero_repair_checkpoint) == (zero_repair_checkpoint, None)
     other_model = tmp_path / "other-model"
     other_model.mkdir()
     (other_model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2}')

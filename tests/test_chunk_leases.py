@@ -5,11 +5,8 @@ and test_chunk_cache_eviction.py."""
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from types import SimpleNamespace
-
-os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 from sglang_patches.tree.chunk_cache import CacheCounters, ChunkRadixCache
 from picrag_core.link_hints import MISS_REFUSAL, LinkRequest

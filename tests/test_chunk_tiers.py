@@ -6,12 +6,9 @@ MooncakeStore against a real `mooncake_master` (a process of its own, a few seco
 from __future__ import annotations
 
 import importlib
-import os
 import threading
 from pathlib import Path
 from types import SimpleNamespace
-
-os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 import pytest
 import torch

@@ -14,8 +14,6 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-
 import pytest
 import torch
 from safetensors import SafetensorError

@@ -23,9 +23,11 @@ POLICIES = ("full", "prefix", "naive", "legolink:32", "cacheblend:0.15", "cacher
 @pytest.fixture(scope="module")
 def report(tmp_path_factory, default_model_dir) -> dict:
     out = tmp_path_factory.mktemp("gpu-check-out")
+    # The device call's own budget: alone on two cores the rehearsal takes about 75 s, but in the
+    # suite its two runtime starts share the cores with other workers' forwards (one took 95 s in CI).
     done = subprocess.run(["bash", "scripts/gpu_check.sh", "--device", "cpu", "--work", str(out.parent / "work")],
-                          cwd=REPO, env={**os.environ, "OUT": str(out), "PICRAG_GPU_CHECK_BUDGET_S": "240"},
-                          capture_output=True, text=True, timeout=300)
+                          cwd=REPO, env={**os.environ, "OUT": str(out), "PICRAG_GPU_CHECK_BUDGET_S": "480"},
+                          capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.log", "gpu_check.md"]
     return json.loads((out / "gpu_check.json").read_text())

@@ -4,10 +4,7 @@ prefill."""
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
-
-os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 import pytest
 import torch

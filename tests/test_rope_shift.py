@@ -5,10 +5,6 @@ shifted to offset o must equal the layer-0 keys of the same tokens prefilled at 
 o, o+1, ...: computed here with the real model's weights and SGLang's own rotary embedding.
 """
 
-import os
-
-os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-
 import json
 
 import pytest

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-
 import pytest
 import torch
 

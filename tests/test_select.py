@@ -70,7 +70,7 @@ def naive_attention_reference(model, input_ids: list[int], chunks: list[tuple[in
 
 @pytest.mark.server
 def test_the_question_attention_equals_an_independent_naive_computation(picrag_server, layout, musique,
-                                                                        default_model_dir):
+                                                                        served_model_dir):
     from transformers import AutoModelForCausalLM
 
     row = musique[3]
@@ -80,7 +80,7 @@ def test_the_question_attention_equals_an_independent_naive_computation(picrag_s
         out = generate(client, prompt.input_ids, max_new_tokens=0, kv_hints=hints_of(
             LinkRequest(policy="naive", chunks=tuple(chunks), report_attention=True)))
     served = EngineReport.of(out["meta_info"]).context_attention.astype(np.float64)
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32,
+    model = AutoModelForCausalLM.from_pretrained(served_model_dir, dtype=torch.float32,
                                                  attn_implementation="eager").eval()
     reference = naive_attention_reference(model, prompt.input_ids, chunks)
     config = model.config

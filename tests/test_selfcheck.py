@@ -4,10 +4,6 @@ to requests, and the shared server reporting its passed checks in /health."""
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-
 import asyncio
 import json
 from dataclasses import dataclass, field

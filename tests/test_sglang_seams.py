@@ -2,10 +2,6 @@
 
 import importlib
 import inspect
-import os
-
-os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-
 import sglang
 import torch
 
