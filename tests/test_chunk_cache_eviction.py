@@ -18,11 +18,12 @@ CLIENTS = 16
 
 
 @pytest.fixture(scope="module")
-def small_pool_server(default_model_dir, tmp_path_factory):
+def small_pool_server(served_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("small-pool") / "server.log"
     # At most 2 requests in the runtime at once: the pool holds their chunks and re-positioned
     # copies, while the passages of all requests together are several times the pool.
-    handle = start_picrag_server(log, ["--max-total-tokens", str(POOL_TOKENS), "--max-inflight", "2"])
+    handle = start_picrag_server(log, ["--model", str(served_model_dir), "--max-total-tokens", str(POOL_TOKENS),
+                                       "--max-inflight", "2"])
     yield handle
     stop_picrag_server(handle)
 

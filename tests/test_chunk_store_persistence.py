@@ -54,13 +54,14 @@ def test_file_of_another_model_is_refused(tmp_path):
 
 
 @pytest.mark.server
-def test_restart_reuses_persisted_chunks_and_catches_corruption(tmp_path, default_model_dir, layout, musique):
+def test_restart_reuses_persisted_chunks_and_catches_corruption(tmp_path, served_model_dir, layout, musique):
     store_dir = tmp_path / "chunks"
     prompt = layout.build(musique[40]["question"], passages_of(musique[40], [0, 1, 2]))
     segments = len(prompt.chunks) + 1  # head + passages
 
     # No self-check: its compiles would add files and disk counts to the ones asserted here.
-    first = start_picrag_server(tmp_path / "first.log", ["--chunk-store", str(store_dir), "--no-selfcheck"])
+    serve_args = ["--model", str(served_model_dir), "--chunk-store", str(store_dir), "--no-selfcheck"]
+    first = start_picrag_server(tmp_path / "first.log", serve_args)
     try:
         with first.client() as client:
             before_restart = generate(client, prompt.input_ids, "naive", prompt.chunks, logprobs=True)
@@ -71,7 +72,7 @@ def test_restart_reuses_persisted_chunks_and_catches_corruption(tmp_path, defaul
     files = sorted(store_dir.rglob("*.safetensors"))
     assert len(files) == segments
 
-    second = start_picrag_server(tmp_path / "second.log", ["--chunk-store", str(store_dir), "--no-selfcheck"])
+    second = start_picrag_server(tmp_path / "second.log", serve_args)
     try:
         with second.client() as client:
             after_restart = generate(client, prompt.input_ids, "naive", prompt.chunks, logprobs=True)

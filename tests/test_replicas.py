@@ -36,6 +36,7 @@ from sglang_patches.store.disk import DiskChunkStore
 from picrag_core.link_hints import LinkRequest, link_hints
 from tests.chunk_requests import assert_same_answer, counters, passages_of
 from tests.conftest import ServerHandle, start_picrag_server, stop_picrag_server
+from tests.inprocess_frontend import wait_for
 
 # --- routing key ----------------------------------------------------------------------------------
 
@@ -194,11 +195,12 @@ class Replicas:
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory, default_model_dir) -> Replicas:
+def replicas(tmp_path_factory, served_model_dir) -> Replicas:
     directory = tmp_path_factory.mktemp("replicas")
     store = directory / "chunks"
     server = start_picrag_server(directory / "server.log",
-                                 ["--replicas", "2", "--max-total-tokens", "8192", "--chunk-store", str(store)])
+                                 ["--model", str(served_model_dir), "--replicas", "2", "--max-total-tokens", "8192",
+                                  "--chunk-store", str(store)])
     ready = sorted(READY.findall(server.log.read_text()))
     started = Replicas(server, [url for _, url, _ in ready], [int(pgid) for _, _, pgid in ready], store)
     yield started
@@ -317,7 +319,8 @@ def test_a_dead_replica_fails_its_stream_and_the_other_takes_its_passage_sets(re
         assert survivor_after["compile_chunk_misses"] > survivor_before.get("compile_chunk_misses", 0)
         assert client.get("/health").status_code == 200
     assert replicas.server.process.poll() is None
-    assert re.search(r"replica 0 \(\S+\) died .*1 of 2 replicas left", replicas.server.log.read_text())
+    # The supervisor polls its replicas once a second: the death is logged within a poll or two.
+    wait_for(lambda: re.search(r"replica 0 \(\S+\) died .*1 of 2 replicas left", replicas.server.log.read_text()))
 
 
 def _home_of(replicas: Replicas, prompt) -> int:
