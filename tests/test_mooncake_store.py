@@ -25,15 +25,14 @@ MASTER_READY = re.compile(r"mooncake master ready at \S+, metadata on port \d+ \
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory, served_model_dir) -> Replicas:
+def replicas(tmp_path_factory, default_model_dir) -> Replicas:
     directory = tmp_path_factory.mktemp("mooncake-replicas")
     rpc = free_port()
     metadata = free_port(taken=[rpc])
     store = (f"mooncake://127.0.0.1:{rpc}?metadata=http://127.0.0.1:{metadata}/metadata"
              f"&segment=256M&local=127.0.0.1")
     server = start_picrag_server(directory / "server.log",
-                                 ["--model", str(served_model_dir), "--replicas", "2", "--max-total-tokens",
-                                  str(POOL_TOKENS), "--chunk-store", store,
+                                 ["--replicas", "2", "--max-total-tokens", str(POOL_TOKENS), "--chunk-store", store,
                                   "--start-mooncake-master", "--chunk-store-timeout", "5"])
     ready = sorted(READY.findall(server.log.read_text()))
     started = Replicas(server, [url for _, url, _ in ready], [int(pgid) for _, _, pgid in ready], directory, store)

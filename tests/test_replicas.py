@@ -195,12 +195,11 @@ class Replicas:
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory, served_model_dir) -> Replicas:
+def replicas(tmp_path_factory, default_model_dir) -> Replicas:
     directory = tmp_path_factory.mktemp("replicas")
     store = directory / "chunks"
     server = start_picrag_server(directory / "server.log",
-                                 ["--model", str(served_model_dir), "--replicas", "2", "--max-total-tokens", "8192",
-                                  "--chunk-store", str(store)])
+                                 ["--replicas", "2", "--max-total-tokens", "8192", "--chunk-store", str(store)])
     ready = sorted(READY.findall(server.log.read_text()))
     started = Replicas(server, [url for _, url, _ in ready], [int(pgid) for _, _, pgid in ready], store)
     yield started
