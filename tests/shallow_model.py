@@ -5,8 +5,8 @@ CPU is the model's forwards. What those tests check (reuse equals the prefix cac
 covering link equals `full`, concurrent answers equal serial ones, bounds, routes, reports) holds
 for any decoder, so they run on SmolLM2 with its first SHALLOW_LAYERS of 30 layers: the same
 tokenizer, chat template, vocabulary, head shapes and real weights, about a fifth of the compute
-per token. The default model itself, whole, is what the tests that start servers of their own and
-`shipped_checkpoint_server` serve.
+per token. The tiny-pool and chunk-store-restart servers serve it too; the default model whole
+is what `shipped_checkpoint_server` and the other tests that start servers of their own serve.
 """
 
 from __future__ import annotations
