@@ -76,6 +76,17 @@ def test_minutes_account_for_every_request_and_divide_systems():
     assert counted["refused"] == {"400: bad": 1}
 
 
+def test_a_minute_whose_counter_sums_fell_reports_no_growth():
+    """An engine killed mid-run takes its counters out of the merged sums: that minute's growth is
+    unknown (a soak reported -690 chunk hits in the minute it killed an engine), not negative."""
+    ours = [_outcome(PICRAG, i, 30.0 * i, 1.0) for i in range(6)]
+    samples = [Sample(0, {"chunk_hits": 0, "host_loads": 0}), Sample(60, {"chunk_hits": 700, "host_loads": 80}),
+               Sample(120, {"chunk_hits": 10, "host_loads": 85}), Sample(180, {"chunk_hits": 40, "host_loads": 90})]
+    rows = minute_rows(ours, samples, 3)
+    assert [r["chunk_hits"] for r in rows] == [700, None, 30]
+    assert [r["host_reloads"] for r in rows] == [80, 5, 5]
+
+
 @pytest.mark.server
 def test_a_short_steady_run_answers_every_request_on_each_system(picrag_server, shared_qa: Path, tmp_path: Path):
     from rag_server.bench.steady import SteadyOptions, run_steady

@@ -39,12 +39,16 @@ class Sample:
 
 
 def _delta(samples: Sequence[Sample], start_s: float, end_s: float, names: Sequence[str]) -> Optional[float]:
-    """Counter growth between the last samples at or before `start_s` and `end_s`."""
+    """Counter growth between the last samples at or before `start_s` and `end_s`; None where
+    unknown. The samples sum every engine's counters, and a counter only grows while its engine
+    lives: a sum that fell lost an engine (killed, or restarted from zero), and that minute's
+    growth cannot be told from the sums."""
     before = [s for s in samples if s.at_s <= start_s + 1e-6]
     after = [s for s in samples if s.at_s <= end_s + 1e-6]
     if not before or not after:
         return None
-    return sum(after[-1].counters.get(n, 0.0) - before[-1].counters.get(n, 0.0) for n in names)
+    grown = [after[-1].counters.get(n, 0.0) - before[-1].counters.get(n, 0.0) for n in names]
+    return None if any(g < 0 for g in grown) else sum(grown)
 
 
 def minute_rows(outcomes: Sequence[Outcome], samples: Sequence[Sample], minutes: int,
