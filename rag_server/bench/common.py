@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import os
 import platform
@@ -274,6 +275,16 @@ def render_table(columns: Sequence[str], rows: Iterable[Sequence[str]], unavaila
     lines += [f"| {entry['policy']} | unavailable: {entry['reason']} |" + " |" * (len(columns) - 2)
               for entry in unavailable]
     return "\n".join(lines) + "\n"
+
+
+def write_report(out: Path, name: str, report: dict[str, Any], table: str) -> int:
+    """`<name>.json` and `<name>.md` written to `out`, the table printed: a reading command's end."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{name}.md").write_text(table)
+    print(table)
+    print(f"-> {out}/{name}.json, {name}.md", file=sys.stderr)
+    return 0
 
 
 def machine_description() -> dict[str, Any]:

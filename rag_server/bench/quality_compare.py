@@ -15,10 +15,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rag_server.bench.common import BenchError, command_line
+from rag_server.bench.common import BenchError, command_line, write_report
 from rag_server.bench.paired import by_question, mean_of, paired_difference
 from rag_server.bench.quality import PAIRED, QuestionResult
-from rag_server.bench.quality_pool import POOLED, read_run, write_report
+from rag_server.bench.quality_pool import POOLED, read_run
 
 
 def _side(folders: list[Path], label: str) -> dict[str, list[QuestionResult]]:

@@ -17,12 +17,11 @@ Question ids are prefixed with their set, so two sets never pair each other's qu
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rag_server.bench.common import BenchError, command_line
+from rag_server.bench.common import BenchError, command_line, write_report
 from rag_server.bench.paired import Estimate, by_question, mean_of, paired_difference, ratio_of_means
 from rag_server.bench.quality import PAIRED, REFERENCE, QuestionResult
 
@@ -145,16 +144,6 @@ def register(commands) -> None:
     parser.add_argument("--baseline", default="naive", help="the policy every other is paired against (default naive)")
     parser.add_argument("--out", type=Path, required=True, metavar="DIR")
     parser.set_defaults(func=_main)
-
-
-def write_report(out: Path, name: str, report: dict[str, Any], table: str) -> int:
-    """`<name>.json` and `<name>.md` written to `out`, the table printed: a reading command's end."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / f"{name}.md").write_text(table)
-    print(table)
-    print(f"-> {out}/{name}.json, {name}.md", file=sys.stderr)
-    return 0
 
 
 def _main(args) -> int:
