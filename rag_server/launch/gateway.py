@@ -9,6 +9,14 @@ had not begun again to another worker) and is marked unhealthy after HEALTH_FAIL
 `/health` probes HEALTH_INTERVAL_S apart; keys that hashed to it move to the next worker on the
 ring, the others stay put.
 
+A worker's load never takes it out of routing: smg's own overload protection (on by default in
+smg 1.13: a worker whose load report shows 8 queued requests or 0.8 of its KV pool in use is
+skipped while another is under both) is switched off. picrag admits load itself, in front of
+the gateway (rag_server.api.admission, rag_server.linking.kv_budget); a passage set moved off
+its worker for load loses that worker's chunk cache; and with one worker dead, smg refused every
+request while the healthy survivor's queue was long (503 `no_available_workers`, "0/2 available
+(1 healthy)": the half-hour fault soak's only refusals).
+
 The gateway is a child process group of its own, like each runtime (rag_server/launch/runtime.py).
 """
 
@@ -57,6 +65,7 @@ class GatewayConfig:
             "--health-check-interval-secs", str(HEALTH_INTERVAL_S),
             "--health-failure-threshold", str(HEALTH_FAILURES),
             "--shutdown-grace-period-secs", str(SHUTDOWN_GRACE_S),
+            "--disable-worker-overload-protection",  # see the module's docstring
             # Requests reach the engines as token ids or text; the gateway tokenizes nothing.
             "--disable-tokenizer-autoload",
             "--prometheus-host", "127.0.0.1",
