@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rag_server.bench.common import BenchError, parse_policies, read_rows, with_unrelated_distractors
+from rag_server.bench.common import (BenchError, parse_policies, read_rows, with_first_sentences,
+                                     with_unrelated_distractors)
 from rag_server.bench.load import LoadOptions, run_load
 from rag_server.bench.quality import QualityOptions, run_quality
 from picrag_core.model_store import PRESETS, ModelStoreError
@@ -34,6 +35,31 @@ def test_unrelated_distractors_keep_the_supporting_passages_in_place(shared_qa: 
         others = {p for j, other in enumerate(rows) if j != index for p in other.passages}
         for old, passage, supporting in zip(row.passages, new.passages, row.supporting):
             assert passage == old if supporting else passage in others
+
+
+def test_cut_passages_keep_their_first_sentences_and_nothing_else():
+    from retrieval.prompt_layout import PromptPassage
+    from retrieval.qa_rows import QARow
+
+    row = QARow("q1", "Where is Big Ben?", ("London",), (
+        PromptPassage("Big Ben", "Big Ben is a bell in London. It weighs 13.7 tonnes! Is it \"Great\"? Yes."),
+        PromptPassage("St. Paul", "Born 1900 in St. Paul, Minnesota. Died 1980."),
+        PromptPassage("One", "One sentence with no end")), (True, False, False))
+    one, two = with_first_sentences([row], 1)[0], with_first_sentences([row], 2)[0]
+    assert [p.text for p in one.passages] == ["Big Ben is a bell in London.", "Born 1900 in St.",
+                                              "One sentence with no end"]
+    assert two.passages[0].text == "Big Ben is a bell in London. It weighs 13.7 tonnes!"
+    assert [p.title for p in one.passages] == [p.title for p in row.passages]
+    assert (one.id, one.question, one.answers, one.supporting) == (row.id, row.question, row.answers, row.supporting)
+
+
+def test_a_run_on_other_prompts_is_named_apart():
+    from rag_server.bench.quality import prompts_of
+
+    dataset = "../shared/data/qa/hotpotqa.dev.jsonl"
+    assert prompts_of({"dataset": dataset, "settings": {"distractors": "dataset"}}) == "hotpotqa.dev.jsonl"
+    assert prompts_of({"dataset": dataset, "settings": {"distractors": "unrelated", "passage_sentences": 1}}) == (
+        "hotpotqa.dev.jsonl, unrelated distractors, passages cut to 1 sentences")
 
 
 def test_passage_bos_layout_starts_every_chunk_with_bos_and_changes_nothing_else(tokenizer, shared_qa: Path):

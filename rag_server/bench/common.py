@@ -19,6 +19,7 @@ import logging
 import os
 import platform
 import random
+import re
 import subprocess
 import sys
 import time
@@ -123,6 +124,19 @@ def with_unrelated_distractors(rows: list[QARow], seed: int = 0) -> list[QARow]:
                          for p, keep in zip(row.passages, row.supporting or [False] * len(row.passages)))
         replaced.append(dataclasses.replace(row, passages=passages))
     return replaced
+
+
+# A sentence ends at . ! or ? followed by space and a capital, a digit or a quote (abbreviations
+# such as "St. Paul" end one too early: a shorter passage, which is what the option asks for).
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
+
+
+def with_first_sentences(rows: list[QARow], sentences: int) -> list[QARow]:
+    """The same questions with every passage cut to its first `sentences` sentences: the short
+    passages of chat snippets and the README's examples, on questions with gold answers."""
+    def cut(passage):
+        return dataclasses.replace(passage, text=" ".join(SENTENCE_END.split(passage.text.strip())[:sentences]))
+    return [dataclasses.replace(row, passages=tuple(cut(p) for p in row.passages)) for row in rows]
 
 
 def add_dataset_arguments(parser) -> None:

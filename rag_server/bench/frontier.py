@@ -25,15 +25,15 @@ class FrontierPoint:
 
 
 def latest_points(runs: list[StoredRun]) -> dict[str, dict[str, FrontierPoint]]:
-    """Points by dev set (the dataset file's name, and the distractors where not the set's own) and
+    """Points by dev set (the dataset file's name, and what the run changed in its prompts) and
     policy; later runs replace earlier ones.
     `full` itself (speed-up 1, KL 0) is left out: every panel's origin."""
     check_comparable(runs, "a plot is one reader's")
     points: dict[str, dict[str, FrontierPoint]] = {}
     for run in runs:
-        # A run with unrelated distractors asks another question of the reader: its own panel.
-        name, _, distractors = run.prompts.partition(", ")
-        dataset = name.removesuffix(".jsonl") + ("" if distractors in ("dataset", "None") else f", {distractors} distractors")
+        # A run with other prompts (unrelated distractors, cut passages) asks another question of
+        # the reader: its own panel.
+        dataset = run.prompts.replace(".jsonl", "", 1)
         for policy, values in run.summary.items():
             speedup, kl = values.get("ttft_speedup_vs_full"), values.get("first_token_kl_mean")
             if policy == "full" or speedup is None or kl is None:

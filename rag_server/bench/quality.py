@@ -61,6 +61,7 @@ from rag_server.bench.common import (
     server,
     unavailable_entries,
     warm_chunks,
+    with_first_sentences,
     with_unrelated_distractors,
 )
 from rag_server.bench.chat_prompts import ChatPromptLayout
@@ -99,6 +100,7 @@ class QualityOptions:
     command: str = ""
     write_calibration: Path | None = None  # also write `auto`'s calibration table here
     unrelated_distractors: bool = False  # replace non-supporting passages by other questions'
+    passage_sentences: int | None = None  # every passage cut to its first N sentences
     passage_bos: bool = False  # every passage starts with BOS (EPIC's layout), in every policy's prompt
     repair_checkpoint: Path | None = None  # the server started here serves this one, not the shipped one
     prompt_form: str = "annotated"  # "chat": documents inside the user message, passages found (chat_prompts.py)
@@ -241,12 +243,21 @@ class StoredRun:
     summary: dict[str, dict[str, Any]]
     passage_bos: bool = False  # the BOS-per-passage ablation, not the layout the frontend serves
     repair_checkpoint: dict[str, Any] | None = None  # _repair_record; runs before it have none
-    prompts: str = ""  # which prompts its questions were: the dataset file and its distractor setting
+    prompts: str = ""  # which prompts its questions were (prompts_of)
 
     @property
     def label(self) -> str:
         questions = len({r.id for r in self.results})
         return f"{self.path.parent.name}: {questions} questions"
+
+
+def prompts_of(report: dict[str, Any]) -> str:
+    """Which prompts a run's questions were: the dataset file, then what the run changed in them."""
+    settings = report.get("settings", {})
+    changes = [] if settings.get("distractors") in ("dataset", None) else [f"{settings['distractors']} distractors"]
+    if settings.get("passage_sentences") is not None:
+        changes.append(f"passages cut to {settings['passage_sentences']} sentences")
+    return ", ".join([Path(report.get("dataset", "")).name, *changes])
 
 
 def read_run(path: Path) -> StoredRun:
@@ -259,7 +270,7 @@ def read_run(path: Path) -> StoredRun:
                          kl_method=report["method"]["first_token_kl"], results=results,
                          summary=report["policies"], passage_bos=report.get("settings", {}).get("passage_bos", False),
                          repair_checkpoint=report.get("repair_checkpoint"),
-                         prompts=f"{Path(report.get('dataset', '')).name}, {report.get('settings', {}).get('distractors')}")
+                         prompts=prompts_of(report))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BenchError(f"{path} is not a `picrag bench quality` results file: {exc}") from exc
 
@@ -404,6 +415,8 @@ def run_quality(options: QualityOptions, progress: bool = True) -> dict[str, Any
     rows = read_rows(options.dataset, options.limit, options.max_passages)
     if options.unrelated_distractors:
         rows = with_unrelated_distractors(rows)
+    if options.passage_sentences is not None:
+        rows = with_first_sentences(rows, options.passage_sentences)
     options.out.mkdir(parents=True, exist_ok=True)
 
     serve_args = [] if options.repair_checkpoint is None else ["--repair-checkpoint", str(options.repair_checkpoint)]
@@ -456,7 +469,7 @@ def run_quality(options: QualityOptions, progress: bool = True) -> dict[str, Any
         "settings": {"max_tokens": options.max_tokens, "greedy": True, "max_passages": options.max_passages,
                      "distractors": "unrelated" if options.unrelated_distractors else "dataset",
                      "passage_bos": options.passage_bos, "prompt_form": options.prompt_form,
-                     "answer_span": options.answer_span},
+                     "answer_span": options.answer_span, "passage_sentences": options.passage_sentences},
         "method": {
             "ttft": "client wall time to the first streamed token through the frontend's /generate "
                     "(chunk compile round trips included)",
@@ -492,6 +505,7 @@ def _run_settings(options: QualityOptions, policies: list[str], model_dir: Path)
             "max_passages": options.max_passages, "max_tokens": options.max_tokens,
             "unrelated_distractors": options.unrelated_distractors, "passage_bos": options.passage_bos,
             "prompt_form": options.prompt_form, "answer_span": options.answer_span,
+            "passage_sentences": options.passage_sentences,
             "repair_checkpoint": None if options.repair_checkpoint is None else str(options.repair_checkpoint)}
 
 
@@ -565,6 +579,9 @@ def register(commands) -> None:
                          help="'unrelated': replace every passage the dataset does not mark supporting by a "
                          "passage of another question (seeded), to see what on-topic distractors cost a "
                          "policy (default: the dataset's own)")
+    quality.add_argument("--passage-sentences", type=int, default=None, metavar="N",
+                         help="every passage cut to its first N sentences: the short passages of chat snippets "
+                         "(default: whole passages)")
     quality.add_argument("--passage-bos", action="store_true",
                          help="an ablation: every passage starts with the tokenizer's BOS token (EPIC's "
                          "released layout), in full prefill and compiled chunk alike")
@@ -590,6 +607,10 @@ def register(commands) -> None:
 def _main(args) -> int:
     if args.prompt_form != "annotated" and args.write_calibration is not None:
         raise BenchError("--write-calibration with --prompt-form chat: `auto`'s table is calibrated on the annotated layout")
+    if args.passage_sentences is not None and args.passage_sentences < 1:
+        raise BenchError("--passage-sentences keeps the first N sentences of each passage: 1 or more")
+    if args.passage_sentences is not None and args.write_calibration is not None:
+        raise BenchError("--write-calibration with --passage-sentences: `auto`'s table describes whole passages")
     if args.passage_bos and args.write_calibration is not None:
         raise BenchError("--write-calibration with --passage-bos: the ablation is not the layout the frontend serves")
     if args.repair_checkpoint is not None and args.write_calibration is not None:
@@ -601,7 +622,7 @@ def _main(args) -> int:
         url=args.url, model=args.model, port=args.port, command=command_line(),
         write_calibration=args.write_calibration, unrelated_distractors=args.distractors == "unrelated",
         passage_bos=args.passage_bos, repair_checkpoint=args.repair_checkpoint, prompt_form=args.prompt_form,
-        answer_span=args.answer_span,
+        answer_span=args.answer_span, passage_sentences=args.passage_sentences,
     )
     if options.answer_span < 1:
         raise BenchError("--answer-span counts positions of full's answer: 1 or more")
