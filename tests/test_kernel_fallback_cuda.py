@@ -83,7 +83,9 @@ def guarded_sgl_kernel_imports(package_dir: Path) -> set[tuple[str, str]]:
 
     for part in ("srt", "kernels"):
         for path in (package_dir / part).rglob("*.py"):
-            visit(ast.parse(path.read_text(encoding="utf-8")), False)
+            source = path.read_text(encoding="utf-8")
+            if "sgl_kernel" in source:  # about 180 of SGLang's 3,000 files: parse only those
+                visit(ast.parse(source), False)
     return found
 
 
