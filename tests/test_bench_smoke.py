@@ -59,7 +59,9 @@ def test_a_run_on_other_prompts_is_named_apart():
     dataset = "../shared/data/qa/hotpotqa.dev.jsonl"
     assert prompts_of({"dataset": dataset, "settings": {"distractors": "dataset"}}) == "hotpotqa.dev.jsonl"
     assert prompts_of({"dataset": dataset, "settings": {"distractors": "unrelated", "passage_sentences": 1}}) == (
-        "hotpotqa.dev.jsonl, unrelated distractors, passages cut to 1 sentences")
+        "hotpotqa.dev.jsonl, unrelated distractors, passages cut to their first 1 sentence")
+    assert prompts_of({"dataset": dataset, "settings": {"distractors": "dataset", "passage_sentences": 2}}) == (
+        "hotpotqa.dev.jsonl, passages cut to their first 2 sentences")
 
 
 def test_passage_bos_layout_starts_every_chunk_with_bos_and_changes_nothing_else(tokenizer, shared_qa: Path):

@@ -255,8 +255,8 @@ def prompts_of(report: dict[str, Any]) -> str:
     """Which prompts a run's questions were: the dataset file, then what the run changed in them."""
     settings = report.get("settings", {})
     changes = [] if settings.get("distractors") in ("dataset", None) else [f"{settings['distractors']} distractors"]
-    if settings.get("passage_sentences") is not None:
-        changes.append(f"passages cut to {settings['passage_sentences']} sentences")
+    if (sentences := settings.get("passage_sentences")) is not None:
+        changes.append(f"passages cut to their first {sentences} sentence{'' if sentences == 1 else 's'}")
     return ", ".join([Path(report.get("dataset", "")).name, *changes])
 
 
