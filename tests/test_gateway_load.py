@@ -19,13 +19,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from rag_server.launch.gateway import Gateway, GatewayConfig
+from rag_server.launch.gateway import ROUTED_TO_HEADER, Gateway, GatewayConfig
 from rag_server.launch.ports import free_port
 from rag_server.linking.chunk_compiler import ROUTING_KEY_HEADER
 from tests.fake_runtime import FakeRuntime
 from tests.inprocess_frontend import serving, wait_for
 
-ROUTED_TO = "x-smg-routed-worker-id"  # the gateway names the worker that answered
 LOAD_POLL_S = 10  # smg's --load-monitor-interval default
 
 
@@ -70,12 +69,12 @@ def test_a_busy_engine_keeps_its_passage_sets_and_a_busy_survivor_answers(tmp_pa
         for index in range(64):
             reply = generate(gateway, f"passage-set-{index}")
             assert reply.status_code == 200, reply.text
-            keys.setdefault(reply.headers[ROUTED_TO], f"passage-set-{index}")
+            keys.setdefault(reply.headers[ROUTED_TO_HEADER], f"passage-set-{index}")
         assert len(keys) == 2, keys
         # Both engines' load reports read (each says: queue of 100, pool full): still on the ring.
         wait_for(lambda: all(e.calls["/v1/loads"] for e in engines), timeout_s=3 * LOAD_POLL_S)
         for worker, key in keys.items():
-            assert generate(gateway, key).headers[ROUTED_TO] == worker
+            assert generate(gateway, key).headers[ROUTED_TO_HEADER] == worker
         # One engine dies; once the gateway has seen it (health probes) and read the survivor's
         # load again, every request goes to the survivor and is answered.
         killed.close()

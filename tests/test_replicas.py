@@ -26,7 +26,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from rag_server.api.runtime_metrics import picrag_counters
-from rag_server.launch.gateway import ROUTING_POLICY, Gateway, GatewayConfig, GatewayStartError
+from rag_server.launch.gateway import ROUTED_TO_HEADER, ROUTING_POLICY, Gateway, GatewayConfig, GatewayStartError
 from rag_server.launch.ports import PORTS_FROM, ephemeral_low
 from rag_server.launch.replicas import ExternalEngines, ReplicaSet, engines_for, replica_configs
 from rag_server.launch.runtime import RuntimeConfig, SGLangRuntime
@@ -179,7 +179,6 @@ def test_two_processes_writing_the_same_chunk_file_never_expose_a_partial_one(tm
 # --- two replicas of the default model ------------------------------------------------------------
 
 READY = re.compile(r"replica (\d+) ready at (\S+) \(process group (\d+)\)")
-ROUTED_TO = "x-smg-routed-worker-id"  # the gateway names the worker that answered
 
 
 @dataclass
@@ -235,7 +234,7 @@ def _served(replicas: Replicas, client: httpx.Client, prompt) -> tuple[int, dict
     assert len(moved) == 1, f"linked requests counted per replica: {linked}"  # the link reached one replica
     (index,) = moved
     assert compiled[1 - index] == 0  # and the compile (when one was sent) the same one
-    assert response.headers[ROUTED_TO] == replicas.urls[index]
+    assert response.headers[ROUTED_TO_HEADER] == replicas.urls[index]
     return index, response.json()
 
 
@@ -309,7 +308,7 @@ def test_a_dead_replica_fails_its_stream_and_the_other_takes_its_passage_sets(re
         survivor_before = counters(httpx.Client(base_url=replicas.urls[1]))
         response = client.post("/generate", json=_linked_body(prompt))
         assert response.status_code == 200, response.text
-        assert response.headers[ROUTED_TO] == replicas.urls[1]
+        assert response.headers[ROUTED_TO_HEADER] == replicas.urls[1]
         survivor_after = counters(httpx.Client(base_url=replicas.urls[1]))
         assert_same_answer(response.json(), answer)
         # The frontend skipped the compile (it compiled these passages on replica 0), replica 1
@@ -329,7 +328,7 @@ def _home_of(replicas: Replicas, prompt) -> int:
     key = passage_set_key(prompt.input_ids, link)
     response = httpx.post(f"{replicas.server.url}/generate", timeout=600, headers={ROUTING_KEY_HEADER: key},
                           json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}})
-    return replicas.urls.index(response.headers[ROUTED_TO])
+    return replicas.urls.index(response.headers[ROUTED_TO_HEADER])
 
 
 class _LongStream(threading.Thread):

@@ -37,6 +37,7 @@ from rag_server.launch.ports import free_port
 logger = logging.getLogger(__name__)
 
 ROUTING_POLICY = "consistent_hashing"
+ROUTED_TO_HEADER = "x-smg-routed-worker-id"  # on each answer, the worker that gave it
 HEALTH_INTERVAL_S = 2
 HEALTH_FAILURES = 2
 # The gateway would wait this long for in-flight requests on SIGTERM (its default is 180 s); the
