@@ -20,8 +20,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # kernels (without it a rotary embedding imports vLLM's and fails), so a module that set it
 # itself depended on being collected before every other module that imports SGLang.
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+# Every Python process the suite starts (the zygote, servers, runtimes and their workers) writes
+# its threads' stacks to its log on SIGABRT: a server start that hangs is dumped so before it is
+# killed (start_picrag_server), and its test's failure says where each process stood. No core
+# files: the dumped processes die by that SIGABRT.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 import json
+import resource
 import shlex
 import signal
 import subprocess
@@ -31,6 +37,8 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_QA = REPO.parent / "shared" / "data" / "qa"
@@ -163,10 +171,32 @@ def start_picrag_server(log: Path, extra_args: list[str], default_corpus: bool =
         index_args = ["--default-corpus-passages", "40"] if default_corpus else ["--no-index"]
         try:
             start = spawn if spawned else worker_zygote().spawn
-            process = start_picrag_serve(port, [*index_args, *extra_args], log, start=start)
+            process = start_picrag_serve(port, [*index_args, *extra_args], log, start=start,
+                                         on_timeout=write_stacks_of_tree)
         except ServeStartError as exc:
-            pytest.fail(str(exc))
+            pytest.fail("\n".join([str(exc), *other_logs_of(log)]))
     return ServerHandle(f"http://127.0.0.1:{port}", process, log, home)
+
+
+def write_stacks_of_tree(process) -> None:
+    """SIGABRT to `process` and every process under it, deepest first: each writes its Python
+    threads' stacks to its own log (PYTHONFAULTHANDLER, above) and dies."""
+    try:
+        tree = [*reversed(psutil.Process(process.pid).children(recursive=True)), psutil.Process(process.pid)]
+    except psutil.NoSuchProcess:
+        return
+    for member in tree:
+        try:
+            member.send_signal(signal.SIGABRT)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(tree, timeout=10)
+
+
+def other_logs_of(log: Path) -> list[str]:
+    """The ends of the logs a server writes beside `log` (a replica's runtime: `<log>.replica0.log`)."""
+    return [f"--- {other.name}:\n{other.read_text(errors='replace')[-6000:]}"
+            for other in sorted(log.parent.glob(f"{log.stem}.*.log"))]
 
 
 _zygotes: list = []

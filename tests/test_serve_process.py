@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import psutil
 import pytest
 
 from rag_server.bench.common import BenchError, server
+from rag_server.launch.ports import free_port
 from rag_server.launch.serve_process import ServeStartError, port_in_use, start_picrag_serve
 
 
@@ -55,3 +57,34 @@ def test_the_child_is_stopped_when_its_parent_is_killed():
     while time.monotonic() < deadline and not _gone(child):
         time.sleep(0.1)
     assert _gone(child)
+
+
+def test_a_start_that_hangs_has_every_process_write_where_it_stands(tmp_path):
+    """A `picrag serve` whose /health never answers: before it is killed, it and the process it
+    started write their threads' stacks to the log (the suite's diagnosis of a hung start)."""
+    from tests.conftest import write_stacks_of_tree
+
+    script = textwrap.dedent("""
+        import os, time
+        def runtime_waits_forever():
+            time.sleep(600)
+        def server_waits_forever():
+            time.sleep(600)
+        if os.fork() == 0:
+            runtime_waits_forever()
+        print("both started", flush=True)
+        server_waits_forever()
+    """)
+    log = tmp_path / "serve.log"
+
+    def start(command, out):
+        env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+        process = subprocess.Popen([sys.executable, "-c", script], stdout=out, stderr=subprocess.STDOUT, env=env)
+        while "both started" not in log.read_text():
+            time.sleep(0.05)
+        return process
+
+    with pytest.raises(ServeStartError, match="not healthy after 1 s") as failure:
+        start_picrag_serve(free_port(), [], log, timeout_s=1, start=start, on_timeout=write_stacks_of_tree)
+    for where in ("runtime_waits_forever", "server_waits_forever"):
+        assert where in str(failure.value)

@@ -62,10 +62,12 @@ def spawn(command: list[str], out: IO[bytes]) -> subprocess.Popen:
 
 
 def start_picrag_serve(port: int, extra_args: list[str], log: Path, timeout_s: float = 600,
-                       start: Callable[[list[str], IO[bytes]], subprocess.Popen] = spawn) -> subprocess.Popen:
+                       start: Callable[[list[str], IO[bytes]], subprocess.Popen] = spawn,
+                       on_timeout: Callable[[subprocess.Popen], None] | None = None) -> subprocess.Popen:
     """Start `picrag serve` on `port`, its output and the runtime's in `log`; wait for /health.
     `start` runs the command (the test suite forks it from a process that imported it once,
-    tests/zygote.py)."""
+    tests/zygote.py); `on_timeout` sees the process still running when /health never answered,
+    before it is killed (the suite has every process of a hung start write its stacks)."""
     if port_in_use(port):
         raise ServeStartError(f"port {port} is already in use (another picrag serve?): stop it or choose another port")
     cmd = [sys.executable, "-m", "rag_server.cli", "serve", "--port", str(port),
@@ -82,6 +84,8 @@ def start_picrag_serve(port: int, extra_args: list[str], log: Path, timeout_s: f
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
+            if on_timeout is not None:
+                on_timeout(process)
             process.kill()
             raise ServeStartError(f"picrag serve not healthy after {timeout_s:.0f} s:\n{log.read_text()[-4000:]}")
         time.sleep(0.25)
