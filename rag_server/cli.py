@@ -191,14 +191,20 @@ def _serve_engines(args: argparse.Namespace) -> int:
             print(f"picrag serve: error: the default corpus: {exc}", file=sys.stderr)
             return 2
     died: list[str] = []
-    preload = ThreadPoolExecutor(max_workers=1, thread_name_prefix="picrag-preload")
+    preload: ThreadPoolExecutor | None = None
     try:
+        # The runtime's processes start before this process starts a thread of its own: a process
+        # forked while another thread holds a lock inherits the lock held, with no thread left to
+        # release it (the test suite forks runtimes from picrag serve, tests/zygote.py, and a
+        # replica forked while the other replica's start and the preload ran once never came up).
+        runtime.launch()
         # The runtime's start keeps about one core busy: the frontend's own imports and loads run
         # beside it on another (about 3.5 s on 2 CPU cores, which otherwise came after it).
+        preload = ThreadPoolExecutor(max_workers=1, thread_name_prefix="picrag-preload")
         layout = None if args.no_selfcheck else preload.submit(self_check_layout, model_path)
         if index_dir is not None:
             preload.submit(import_module, "sentence_transformers")
-        runtime.start(timeout_s=args.start_timeout)
+        runtime.wait_ready(timeout_s=args.start_timeout)
         gate = ReuseGate() if layout is None else ReuseGate(
             run_self_check(runtime.url, layout.result(), policies.unavailable), args.on_selfcheck_failure)
         if args.no_selfcheck:
@@ -247,7 +253,8 @@ def _serve_engines(args: argparse.Namespace) -> int:
         runtime.watch(lambda reason: give_up(f"died ({reason})"))
         server.run()
     finally:
-        preload.shutdown(wait=False, cancel_futures=True)
+        if preload is not None:
+            preload.shutdown(wait=False, cancel_futures=True)
         runtime.stop()
         logger.info("picrag stopped")
     return RUNTIME_DIED_EXIT if died else 0

@@ -141,14 +141,16 @@ def test_a_short_soak_with_faults_loses_no_request(replicas, shared_qa, tmp_path
     from rag_server.bench.steady_client import PICRAG
     from rag_server.bench.steady_schedule import ScheduleSettings
 
+    # More clients than requests: none waits for a client, so none is left unsent at the end
+    # however slow the machine is (with 4, a busy CI machine left the last one unsent).
     steady = SteadyOptions(
-        datasets=(shared_qa / "hotpotqa.dev.jsonl",), out=tmp_path / "soak", systems=(PICRAG,), clients=4,
+        datasets=(shared_qa / "hotpotqa.dev.jsonl",), out=tmp_path / "soak", systems=(PICRAG,), clients=32,
         schedule=ScheduleSettings(minutes=0.75, rate=0.3, zipf=1.1, novel=0.2, pool=4, passages=2, seed=2),
         max_tokens=2, bucket_s=15.0, url=replicas.server.url)
     report = run_soak(SoakOptions(steady, check_share=0.2, monitor_s=2.0, log=replicas.server.log,
                                   store=replicas.chunk_store), progress=False)
     counted = report["accounting"]
-    assert counted["requests"] == report["settings"]["requests"] > 5
+    assert steady.clients >= counted["requests"] == report["settings"]["requests"] > 5
     assert counted["lost"] == 0, report["requests"]
     assert counted["answered"] + sum(counted["refused"].values()) == counted["requests"]
     assert set(report["faults_by_kind"]) == {"bad_input", "slow_clients", "master_stop", "master_restart",

@@ -94,11 +94,12 @@ def test_a_short_steady_run_answers_every_request_on_each_system(picrag_server, 
     options = SteadyOptions(
         datasets=(shared_qa / "hotpotqa.dev.jsonl",), out=tmp_path / "steady",
         schedule=ScheduleSettings(minutes=0.5, rate=0.4, zipf=1.1, novel=0.2, pool=4, passages=2, seed=1),
-        systems=(PICRAG, PREFIX), clients=4, max_tokens=2, bucket_s=15.0, url=picrag_server.url)
+        # More clients than requests: none is left unsent at the end, however slow the machine.
+        systems=(PICRAG, PREFIX), clients=32, max_tokens=2, bucket_s=15.0, url=picrag_server.url)
     report = run_steady(options, progress=False)
     for system in (PICRAG, PREFIX):
         counted = report["accounting"][system]
-        assert counted["requests"] == report["settings"]["requests"] > 3
+        assert options.clients >= counted["requests"] == report["settings"]["requests"] > 3
         assert counted["answered"] == counted["requests"] and counted["lost"] == 0, counted
         assert [m["minute"] for m in report["minutes"][system]] == [1, 2]
     picrag_requests = report["requests"][PICRAG]

@@ -14,7 +14,8 @@ plugins, computes nothing (an OpenMP thread pool does not survive a fork), and f
   command runs (`sglang_patches.cpu.launch.run`), its process group, output file and
   environment: still a child of `picrag serve`, stopped, watched and reaped as the spawned one
   is. A runtime the fork cannot stand for (CUDA; stock SGLang, whose plugins must not load;
-  another thread count or SGLang setting than the zygote imported with) is spawned as usual.
+  another thread count or SGLang setting than the zygote imported with), or started while
+  `picrag serve` runs another thread, is spawned as usual.
 - for a test that drives a runtime alone (the model matrix, one tiny model per decoder family),
   that runtime's server, as `python -m sglang_patches.cpu.launch` runs it with
   `RuntimeConfig.command()`'s arguments and `RuntimeConfig.env()`'s environment.
@@ -32,6 +33,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -211,6 +213,15 @@ def _forkable(command: list[str], env: dict[str, str] | None) -> bool:
     return all(env.get(name) == ZYGOTE_ENV.get(name) for name in read_at_import)
 
 
+def _forks_here(command: list[str], env: dict[str, str] | None) -> bool:
+    """Whether ForkingPopen forks `command` now rather than spawning it: a forkable command, in a
+    process that runs no other thread. A thread that holds a lock at the fork (an import, a log
+    stream, a library's one-time set-up) leaves it held in the child, with no thread there to
+    release it (a replica forked beside another replica's start once never came up). picrag serve
+    starts its runtimes before any thread of its own (rag_server/cli.py), so those starts fork."""
+    return threading.active_count() == 1 and _forkable(command, env)
+
+
 class ForkingPopen(subprocess.Popen):
     """subprocess.Popen in a forked `picrag serve`: the runtime's server command forked (the child
     runs what the command runs, with the standard streams, directory, environment and session
@@ -220,7 +231,7 @@ class ForkingPopen(subprocess.Popen):
 
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
                        creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest):
-        if not _forkable(list(args), env):
+        if not _forks_here(list(args), env):
             return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
                                           creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread,
                                           errwrite, *rest)

@@ -90,20 +90,29 @@ class EngineGroup:
         return [runtime.url for runtime in self.runtimes]
 
     def start(self, timeout_s: float = 600.0) -> None:
-        """Start every replica at once; if one fails (or a signal ends the wait), stop them all
-        and raise."""
+        self.launch()
+        self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Every replica's server process started, one after another in the calling thread."""
+        for runtime in self.runtimes:
+            runtime.launch()
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """Wait for every launched replica at once; if one fails (or a signal ends the wait), stop
+        them all and raise."""
         errors: list[BaseException] = []
 
-        def starting(runtime: SGLangRuntime) -> None:
+        def waiting(runtime: SGLangRuntime) -> None:
             try:
-                runtime.start(timeout_s)
+                runtime.wait_ready(timeout_s)
             except BaseException as exc:
                 errors.append(exc)
             if self._stopped.is_set():  # stopped while this one was starting
                 runtime.stop()
 
         # Daemon threads: a signal during the start must not wait for the other replicas' starts.
-        threads = [threading.Thread(target=starting, args=(runtime,), name=f"replica{i}-start", daemon=True)
+        threads = [threading.Thread(target=waiting, args=(runtime,), name=f"replica{i}-start", daemon=True)
                    for i, runtime in enumerate(self.runtimes)]
         for thread in threads:
             thread.start()
@@ -173,7 +182,15 @@ class ReplicaSet:
         return tuple(self.engines.urls)
 
     def start(self, timeout_s: float = 600.0) -> None:
-        self.engines.start(timeout_s)
+        self.launch()
+        self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        self.engines.launch()
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """The replicas healthy, then the gateway started in front of them."""
+        self.engines.wait_ready(timeout_s)
         try:
             self.gateway.start()
         except BaseException:
@@ -231,6 +248,13 @@ class ExternalEngines:
         return self._worker_urls or (self._runtime_url,)
 
     def start(self, timeout_s: float = 600.0) -> None:
+        self.launch()
+        self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Nothing: the engines run elsewhere, and the gateway starts once waited for."""
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
         if self.gateway is not None:
             self.gateway.start(timeout_s)
 

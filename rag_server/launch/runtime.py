@@ -188,6 +188,7 @@ class SGLangRuntime:
         self.config = config.resolved()
         self.log_file = log_file
         self.process: subprocess.Popen | None = None
+        self._log_start = 0  # where this start's lines begin in the log (died_during_start)
         self._workers: list[tuple[psutil.Process, str]] = []  # SGLang's workers and titles, once up
         self._stopping = threading.Event()
         self._lock = threading.Lock()  # a death is reported, or the runtime stopped on purpose
@@ -202,6 +203,11 @@ class SGLangRuntime:
         return (self.url,)
 
     def start(self, timeout_s: float = 600.0) -> None:
+        self.launch()
+        self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Start the runtime's server process and return (`wait_ready` waits for it)."""
         c = self.config
         logger.info(
             "Starting SGLang runtime: model=%s device=%s dtype=%s attention=%s radix-cache=%s "
@@ -209,11 +215,16 @@ class SGLangRuntime:
             c.model_path, c.device, c.dtype, c.attention_backend,
             c.radix_cache_backend or "sglang-default", c.max_total_tokens, c.chunk_store or "off", c.url,
         )
-        self.process, log_start = start_in_own_group(c.command(), self.log_file, env=c.env())
+        self.process, self._log_start = start_in_own_group(c.command(), self.log_file, env=c.env())
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """Wait for the launched runtime's /health; RuntimeStartError (the runtime stopped) if it
+        exits first or is not healthy within `timeout_s`."""
         started = time.monotonic()
         while time.monotonic() - started < timeout_s:
             if self.process.poll() is not None:
-                raise RuntimeStartError(died_during_start(self.process, "SGLang runtime", self.log_file, log_start))
+                raise RuntimeStartError(died_during_start(self.process, "SGLang runtime", self.log_file,
+                                                          self._log_start))
             if self.healthy():
                 self._workers = _workers_of(self.process.pid)
                 logger.info("SGLang runtime ready in %.0f s (workers: %s)", time.monotonic() - started,
