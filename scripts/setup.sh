@@ -51,12 +51,12 @@ pip_install() {
 }
 
 # Bytecode for every installed module and picrag's own, written here once. Python reads .pyc files
-# whatever the environment says, but under PYTHONDONTWRITEBYTECODE (set in many CI and container
-# images, the machines this suite is timed on among them) it never writes them: every process
-# would compile torch, SGLang and transformers from source again, 31 s rather than 14 s for the
-# imports of one SGLang server on these cores (2026-12-07). compileall skips what is up to date,
-# so re-running costs under a second. Its status is not checked: torch ships a module in Python
-# 3.12 syntax that only 3.12 imports (torch/testing/_internal/py312_intrinsics.py).
+# whatever the environment says, but under PYTHONDONTWRITEBYTECODE (set on the machines this suite
+# is timed on, as in many container images) it never writes them: every process would compile
+# torch, SGLang and transformers from source again, 31 s rather than 14 s for the imports of one
+# SGLang server on these cores (2026-12-07). compileall skips what is up to date, so re-running
+# costs under a second. Its status is not checked: torch ships a module in Python 3.12 syntax that
+# only 3.12 imports (torch/testing/_internal/py312_intrinsics.py).
 compile_bytecode() {
   "$VENV/bin/python" -m compileall -q -j 0 "$@" >/dev/null 2>&1 || true
 }

@@ -142,7 +142,7 @@ def test_a_short_soak_with_faults_loses_no_request(replicas, shared_qa, tmp_path
     from rag_server.bench.steady_schedule import ScheduleSettings
 
     # More clients than requests: none waits for a client, so none is left unsent at the end
-    # however slow the machine is (with 4, a busy CI machine left the last one unsent).
+    # however slow the machine is (with 4, a busy machine left the last one unsent).
     steady = SteadyOptions(
         datasets=(shared_qa / "hotpotqa.dev.jsonl",), out=tmp_path / "soak", systems=(PICRAG,), clients=32,
         schedule=ScheduleSettings(minutes=0.75, rate=0.3, zipf=1.1, novel=0.2, pool=4, passages=2, seed=2),
