@@ -25,7 +25,7 @@ from pathlib import Path
 
 from rag_server.launch.gateway import Gateway, GatewayConfig
 from rag_server.launch.ports import free_port
-from rag_server.launch.runtime import RuntimeConfig, SGLangRuntime
+from rag_server.launch.runtime import LaunchedThenWaited, RuntimeConfig, SGLangRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def _check_gpus(config: RuntimeConfig, replicas: int) -> None:
                                 f"this machine has {torch.cuda.device_count()}")
 
 
-class EngineGroup:
+class EngineGroup(LaunchedThenWaited):
     """`replicas` runtimes of `config`, no gateway: what `picrag serve --engines-only` runs on
     a GPU node for a gateway elsewhere."""
 
@@ -88,10 +88,6 @@ class EngineGroup:
     @property
     def urls(self) -> list[str]:
         return [runtime.url for runtime in self.runtimes]
-
-    def start(self, timeout_s: float = 600.0) -> None:
-        self.launch()
-        self.wait_ready(timeout_s)
 
     def launch(self) -> None:
         """Every replica's server process started, one after another in the calling thread."""
@@ -155,7 +151,7 @@ class EngineGroup:
             thread.join()
 
 
-class ReplicaSet:
+class ReplicaSet(LaunchedThenWaited):
     """`replicas` runtimes of `config` behind the model gateway; `url` is the gateway's."""
 
     def __init__(self, config: RuntimeConfig, replicas: int, log_file: Path | None = None):
@@ -180,10 +176,6 @@ class ReplicaSet:
     def engine_urls(self) -> tuple[str, ...]:
         """The engines behind the gateway."""
         return tuple(self.engines.urls)
-
-    def start(self, timeout_s: float = 600.0) -> None:
-        self.launch()
-        self.wait_ready(timeout_s)
 
     def launch(self) -> None:
         self.engines.launch()
@@ -221,7 +213,7 @@ class ReplicaSet:
         self.engines.stop(grace_s)
 
 
-class ExternalEngines:
+class ExternalEngines(LaunchedThenWaited):
     """Engines started elsewhere: the gateway in front of `worker_urls`, or (none given) the
     gateway or engine at `runtime_url`, which picrag neither starts nor stops. `config` says
     how the engines were started (the frontend's policy checks read its attention backend)."""
@@ -246,10 +238,6 @@ class ExternalEngines:
     def engine_urls(self) -> tuple[str, ...]:
         """The engines behind the gateway picrag starts; a `runtime_url` counts as one engine."""
         return self._worker_urls or (self._runtime_url,)
-
-    def start(self, timeout_s: float = 600.0) -> None:
-        self.launch()
-        self.wait_ready(timeout_s)
 
     def launch(self) -> None:
         """Nothing: the engines run elsewhere, and the gateway starts once waited for."""

@@ -181,7 +181,22 @@ class RuntimeStartError(RuntimeError):
 _WORKER_TITLE = "sglang::"
 
 
-class SGLangRuntime:
+class LaunchedThenWaited:
+    """What starts engines in two steps: `launch` starts their processes and returns, `wait_ready`
+    waits for them (picrag serve starts its own threads in between, rag_server/cli.py)."""
+
+    def launch(self) -> None:
+        raise NotImplementedError
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        raise NotImplementedError
+
+    def start(self, timeout_s: float = 600.0) -> None:
+        self.launch()
+        self.wait_ready(timeout_s)
+
+
+class SGLangRuntime(LaunchedThenWaited):
     """SGLang's server in its own process group, so stopping it leaves no children behind."""
 
     def __init__(self, config: RuntimeConfig, log_file: Path | None = None):
@@ -201,10 +216,6 @@ class SGLangRuntime:
     def engine_urls(self) -> tuple[str, ...]:
         """The engines that serve requests: this one."""
         return (self.url,)
-
-    def start(self, timeout_s: float = 600.0) -> None:
-        self.launch()
-        self.wait_ready(timeout_s)
 
     def launch(self) -> None:
         """Start the runtime's server process and return (`wait_ready` waits for it)."""
