@@ -81,6 +81,7 @@ def test_a_start_that_hangs_has_every_process_write_where_it_stands(tmp_path):
         env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
         process = subprocess.Popen([sys.executable, "-c", script], stdout=out, stderr=subprocess.STDOUT, env=env)
         while "both started" not in log.read_text():
+            assert process.poll() is None, log.read_text()
             time.sleep(0.05)
         return process
 
