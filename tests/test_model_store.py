@@ -53,3 +53,33 @@ def test_callers_that_start_together_convert_a_preset_once(tmp_path, monkeypatch
     assert waiting.seen.is_set(), "the second caller did not wait for the first's conversion"
     assert len(conversions) == 1
     assert results == [first] and (first / "config.json").is_file()
+
+
+def test_a_conversion_parses_each_gguf_header_once_and_leaves_gguf_as_it_was(tmp_path):
+    """transformers opens the GGUF three times per conversion (config, tokenizer, weights) and
+    builds gguf's tensor-name table once per submodule; inside the conversion both are one object
+    per argument, and gguf's own functions are back afterwards, even when the conversion fails."""
+    import gguf
+    import numpy as np
+    import pytest
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 2), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    originals = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    with model_store._gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(path) is first
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 1) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 1)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == originals
+    assert gguf.GGUFReader(path) is not first
+
+    with pytest.raises(RuntimeError), model_store._gguf_parsed_once():
+        raise RuntimeError("conversion failed")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == originals
