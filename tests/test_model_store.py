@@ -55,13 +55,17 @@ def test_callers_that_start_together_convert_a_preset_once(tmp_path, monkeypatch
     assert results == [first] and (first / "config.json").is_file()
 
 
-def test_a_conversion_parses_each_gguf_header_once_and_leaves_gguf_as_it_was(tmp_path):
-    """transformers opens the GGUF three times per conversion (config, tokenizer, weights) and
-    builds gguf's tensor-name table once per submodule; inside the conversion both are one object
-    per argument, and gguf's own functions are back afterwards, even when the conversion fails."""
+
+def test_a_conversion_parses_each_gguf_header_once_and_leaves_gguf_as_it_was(tmp_path, monkeypatch):
+    """transformers reads the GGUF three times per conversion (config, tokenizer, weights) and
+    builds gguf's tensor-name table once per submodule; inside the conversion each file is parsed
+    once, through transformers' own reader (which looks `gguf.GGUFReader` up when called: if it
+    bound it at import, this fails), and gguf's own functions are back afterwards, even when the
+    conversion fails."""
     import gguf
     import numpy as np
     import pytest
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     path = tmp_path / "tiny.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -71,14 +75,24 @@ def test_a_conversion_parses_each_gguf_header_once_and_leaves_gguf_as_it_was(tmp
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    parsed: list[str] = []
+
+    class CountingReader(gguf.GGUFReader):
+        def __init__(self, file, *args, **kwargs) -> None:
+            parsed.append(str(file))
+            super().__init__(file, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
     originals = gguf.GGUFReader, gguf.get_tensor_name_map
 
     with model_store._gguf_parsed_once():
-        first = gguf.GGUFReader(path)
-        assert gguf.GGUFReader(path) is first
+        for _ in range(3):
+            assert load_gguf_checkpoint(str(path))["config"]["num_hidden_layers"] == 1
         assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 1) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 1)
+    assert parsed == [str(path)]
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == originals
-    assert gguf.GGUFReader(path) is not first
+    load_gguf_checkpoint(str(path))
+    assert len(parsed) == 2  # outside a conversion, every call parses the file again
 
     with pytest.raises(RuntimeError), model_store._gguf_parsed_once():
         raise RuntimeError("conversion failed")
