@@ -90,7 +90,8 @@ if [ "$want_test" = 1 ] && [ ! -e "$test_stamp" ]; then
 fi
 compile_bytecode picrag_core rag_server retrieval sglang_patches cache_repair tests benchmarks examples scripts
 # The default model, converted from its GGUF package once (about 15 s; a no-op later): `make serve`
-# would otherwise convert it on its first start, and the tests' servers all need it.
+# would otherwise convert it on its first start, and the tests' servers all need it. What
+# `picrag model prepare` does, without its CLI's imports (4 s on every run, 0.1 s this way).
 "$VENV/bin/python" -c 'import logging; logging.basicConfig(level=logging.INFO, format="[setup] %(message)s")
 from picrag_core.model_store import ensure_model; ensure_model()'
 wait "$apt_job"
